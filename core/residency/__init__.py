@@ -1,0 +1,1 @@
+"""Residency levers: where weights live and how they move (pinned host store, phase offload, group prefetch)."""

@@ -1,0 +1,328 @@
+"""One small interface for every host<->device byte the engine moves.
+
+``CudaTransport`` copies on a side stream with events; ``CpuTransport`` does the same
+operations synchronously between CPU tensors (a fresh allocation stands in for the device
+copy, so pointer-identity tests mean the same thing); ``RecordingTransport`` wraps either and
+keeps the schedule, so CPU tests can assert ordering and byte counts without a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Ledger:
+    """Bytes and copies moved through a transport. ``seconds`` is wall time spent issuing or
+    (on CUDA, when timed) executing copies; it is informational, never asserted in tests."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    d2h_copies: int = 0
+    seconds: float = 0.0
+    by_tag: dict[str, int] = field(default_factory=dict)
+
+    def add(self, direction: str, nbytes: int, tag: str = "") -> None:
+        if direction == "h2d":
+            self.h2d_bytes += nbytes
+            self.h2d_copies += 1
+        else:
+            self.d2h_bytes += nbytes
+            self.d2h_copies += 1
+        if tag:
+            self.by_tag[tag] = self.by_tag.get(tag, 0) + nbytes
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "h2d_copies": self.h2d_copies,
+                "d2h_copies": self.d2h_copies, "seconds": round(self.seconds, 6)}
+
+    def reset(self) -> None:
+        self.h2d_bytes = self.d2h_bytes = self.h2d_copies = self.d2h_copies = 0
+        self.seconds = 0.0
+        self.by_tag.clear()
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pinned: bool
+    reason: str
+    nbytes: int = 0
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Transport:
+    """Interface. All engine code that moves weights calls these and nothing else.
+
+    copy_to_device(src, dst=None, tag) -> device tensor  (async on CUDA, ordered after wait_compute)
+    copy_to_host(src, dst=None, tag)   -> host tensor    (counted as device->host bytes)
+    record(tag)  -> event marking "copies issued so far are done"
+    wait(event)  -> the compute stream waits for that event before using the copied tensor
+    wait_compute() -> the copy stream waits for compute issued so far (before reusing a slot)
+    release(tag) -> a device copy is no longer needed by compute (bookkeeping, no bytes)
+    pin(tensor)  -> page-lock host memory in place where possible; PinResult says what happened
+    """
+
+    name = "abstract"
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+
+    def copy_to_device(self, src: torch.Tensor, dst: torch.Tensor | None = None, tag: str = "") -> torch.Tensor:
+        raise NotImplementedError
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor | None = None, tag: str = "") -> torch.Tensor:
+        raise NotImplementedError
+
+    def record(self, tag: str = "") -> Any:
+        raise NotImplementedError
+
+    def wait(self, event: Any, tag: str = "") -> None:
+        raise NotImplementedError
+
+    def wait_compute(self, tag: str = "") -> None:
+        raise NotImplementedError
+
+    def release(self, tag: str = "") -> None:
+        pass
+
+    def pin(self, t: torch.Tensor) -> PinResult:
+        return PinResult(False, f"{self.name} transport does not pin")
+
+    def unpin(self, t: torch.Tensor) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        """Allocate an uninitialised buffer on the transport's device (static slots)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+class CpuTransport(Transport):
+    """Synchronous CPU->CPU transport. 'Device' tensors are fresh CPU allocations."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+        self._event_counter = 0
+
+    def copy_to_device(self, src, dst=None, tag=""):
+        t0 = time.perf_counter()
+        if dst is None:
+            dst = torch.empty_like(src, device=self.device, memory_format=torch.preserve_format)
+        dst.copy_(src)
+        self.ledger.seconds += time.perf_counter() - t0
+        self.ledger.add("h2d", tensor_nbytes(src), tag)
+        return dst
+
+    def copy_to_host(self, src, dst=None, tag=""):
+        if dst is None:
+            dst = torch.empty_like(src, device="cpu")
+        dst.copy_(src)
+        self.ledger.add("d2h", tensor_nbytes(src), tag)
+        return dst
+
+    def record(self, tag=""):
+        self._event_counter += 1
+        return ("event", self._event_counter, tag)
+
+    def wait(self, event, tag=""):
+        return None
+
+    def wait_compute(self, tag=""):
+        return None
+
+
+class CudaTransport(Transport):
+    """Copies on a dedicated stream; compute waits on per-copy events.
+
+    Why the syncs: ``wait`` makes compute wait for the copy that filled a buffer (else it reads
+    garbage); ``wait_compute`` makes the next copy into a reused slot wait for the compute that
+    last read it (else the copy overwrites weights still in use). No host synchronisation.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str | int = "cuda", timed: bool = False) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.timed = timed
+
+    def copy_to_device(self, src, dst=None, tag=""):
+        with torch.cuda.stream(self.stream):
+            if dst is None:
+                dst = torch.empty_like(src, device=self.device)
+            dst.copy_(src, non_blocking=True)
+        self.ledger.add("h2d", tensor_nbytes(src), tag)
+        return dst
+
+    def copy_to_host(self, src, dst=None, tag=""):
+        with torch.cuda.stream(self.stream):
+            if dst is None:
+                dst = torch.empty_like(src, device="cpu")
+            dst.copy_(src, non_blocking=True)
+        self.ledger.add("d2h", tensor_nbytes(src), tag)
+        return dst
+
+    def record(self, tag=""):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, event, tag=""):
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_compute(self, tag=""):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def pin(self, t):
+        return pin_in_place(t)
+
+    def unpin(self, t):
+        unpin_in_place(t)
+
+
+# --- pinning -----------------------------------------------------------------------------------
+
+_REGISTERED: dict[int, int] = {}  # data_ptr -> nbytes, the host ranges *we* page-locked
+
+
+def pin_in_place(t: torch.Tensor) -> PinResult:
+    """Page-lock a contiguous CPU tensor's memory in place with cudaHostRegister (no copy).
+
+    Fails soft: returns PinResult(False, reason) instead of raising. Never registers memory
+    that is already pinned (by ComfyUI or by us): a second registration fails and, on some
+    drivers, poisons later pins.
+    """
+    nbytes = tensor_nbytes(t)
+    if t.device.type != "cpu":
+        return PinResult(False, "tensor is not on the CPU", nbytes)
+    if not torch.cuda.is_available():
+        return PinResult(False, "no CUDA device: nothing to DMA to", nbytes)
+    if not t.is_contiguous():
+        return PinResult(False, "tensor is not contiguous", nbytes)
+    if t.is_pinned():
+        return PinResult(True, "already pinned (by ComfyUI or torch)", nbytes)
+    ptr = t.data_ptr()
+    if ptr in _REGISTERED:
+        return PinResult(True, "already pinned by Levers", nbytes)
+    if nbytes == 0:
+        return PinResult(False, "empty tensor", 0)
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 0)
+    except (RuntimeError, AttributeError, TypeError) as exc:  # cudart missing or refused
+        return PinResult(False, f"cudaHostRegister unavailable: {exc}", nbytes)
+    code = int(err.value) if hasattr(err, "value") else int(err)
+    if code != 0:
+        return PinResult(False, f"cudaHostRegister failed with CUDA error {code} (page-locked limit reached?)", nbytes)
+    _REGISTERED[ptr] = nbytes
+    return PinResult(True, "pinned in place", nbytes)
+
+
+def unpin_in_place(t: torch.Tensor) -> None:
+    ptr = t.data_ptr()
+    if ptr in _REGISTERED and torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(ptr))
+        _REGISTERED.pop(ptr, None)
+
+
+def pinned_bytes_by_levers() -> int:
+    return sum(_REGISTERED.values())
+
+
+# --- recording ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    kind: str      # "h2d" | "d2h" | "record" | "wait" | "wait_compute" | "release" | "compute"
+    tag: str
+    nbytes: int = 0
+
+
+class RecordingTransport(Transport):
+    """Wraps another transport and records every operation, in order, for tests and reports."""
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__()
+        self.inner = inner
+        self.device = inner.device
+        self.name = f"recording({inner.name})"
+        self.ops: list[Op] = []
+        self.ledger = inner.ledger
+
+    def copy_to_device(self, src, dst=None, tag=""):
+        self.ops.append(Op("h2d", tag, tensor_nbytes(src)))
+        return self.inner.copy_to_device(src, dst, tag)
+
+    def copy_to_host(self, src, dst=None, tag=""):
+        self.ops.append(Op("d2h", tag, tensor_nbytes(src)))
+        return self.inner.copy_to_host(src, dst, tag)
+
+    def record(self, tag=""):
+        self.ops.append(Op("record", tag))
+        return self.inner.record(tag)
+
+    def wait(self, event, tag=""):
+        self.ops.append(Op("wait", tag))
+        return self.inner.wait(event, tag)
+
+    def wait_compute(self, tag=""):
+        self.ops.append(Op("wait_compute", tag))
+        return self.inner.wait_compute(tag)
+
+    def release(self, tag=""):
+        self.ops.append(Op("release", tag))
+        return self.inner.release(tag)
+
+    def note_compute(self, tag: str) -> None:
+        """Engines call this when compute of ``tag`` starts, so schedules can be asserted."""
+        self.ops.append(Op("compute", tag))
+
+    def pin(self, t):
+        return self.inner.pin(t)
+
+    def unpin(self, t):
+        return self.inner.unpin(t)
+
+    def synchronize(self):
+        return self.inner.synchronize()
+
+    def empty(self, shape, dtype):
+        return self.inner.empty(shape, dtype)
+
+    def kinds(self, *kinds: str) -> list[Op]:
+        return [op for op in self.ops if op.kind in kinds]
+
+
+def note_compute(transport: Transport, tag: str) -> None:
+    """Record the start of compute on a recording transport; no-op otherwise."""
+    if isinstance(transport, RecordingTransport):
+        transport.note_compute(tag)
+
+
+def make_transport(device: torch.device | str | None = None, record: bool = False) -> Transport:
+    """The transport for ``device``: CUDA when it is a CUDA device and CUDA works, else CPU."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+        t: Transport = CudaTransport(dev)
+    else:
+        t = CpuTransport()
+    return RecordingTransport(t) if record else t
