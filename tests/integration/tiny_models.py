@@ -1,0 +1,71 @@
+"""Tiny random-weight models that ComfyUI's stock loaders accept (no downloads).
+
+Builders take ComfyUI's own classes, so the files match what the running ComfyUI expects.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+
+def fill_random_(state_dict: dict, seed: int) -> dict:
+    """Fill every tensor deterministically (ComfyUI's ops do not initialise weights).
+
+    Norm scales are ~1, biases small, weights ~N(0, 1/fan_in) so activations stay O(1).
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in sorted(state_dict.items()):
+        shape = tuple(t.shape)
+        if not t.is_floating_point():
+            out[name] = t.clone()
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = "norm" in name or leaf in ("gamma",) or (leaf == "weight" and len(shape) == 1)
+        if is_norm:
+            v = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        elif leaf == "bias" or len(shape) <= 1:
+            v = 0.02 * torch.randn(shape, generator=g)
+        else:
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+            v = torch.randn(shape, generator=g) / math.sqrt(max(1, fan_in))
+        out[name] = v.to(torch.float32).contiguous()
+    return out
+
+
+def tiny_wan_dit_state_dict(dim: int = 256, ffn_dim: int = 512, num_layers: int = 4, seed: int = 0) -> dict:
+    """A Wan 2.1 t2v DiT; UNETLoader detects dim from head.modulation (num_heads = dim // 128)."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    m = wan.WanModel(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=dim, ffn_dim=ffn_dim,
+                     freq_dim=256, text_dim=4096, out_dim=16, num_heads=dim // 128, num_layers=num_layers,
+                     operations=comfy.ops.disable_weight_init, device="meta")
+    shapes = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in m.state_dict().items()}
+    return fill_random_(shapes, seed)
+
+
+def tiny_wan_vae_state_dict(dim: int = 16, seed: int = 1) -> dict:
+    """A Wan 2.1 VAE at small width; VAELoader reads dim from decoder.head.0.gamma."""
+    import inspect
+
+    import comfy.ldm.wan.vae as wanvae
+
+    kwargs = dict(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                  temperal_downsample=[False, True, True], dropout=0.0)
+    if "image_channels" in inspect.signature(wanvae.WanVAE.__init__).parameters:
+        kwargs["image_channels"] = 3
+    with torch.device("meta"):
+        m = wanvae.WanVAE(**kwargs)
+    shapes = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in m.state_dict().items()}
+    return fill_random_(shapes, seed)
+
+
+def save(state_dict: dict, path: str) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(state_dict, path)
+    return path
