@@ -1,0 +1,1151 @@
+"""`levers run`: drive a running ComfyUI headless, with the same workflows users drag into the UI.
+
+Submits an API-format workflow to ``POST /prompt``, follows it live over ComfyUI's websocket
+(node, step, percent), downloads the outputs through ``/view``, prints the Levers reports and
+exits non-zero with ComfyUI's own error when validation or execution fails. UI-format files (what
+"Save" writes and what ``example_workflows/`` ships) are converted with the server's
+``/object_info``, so the widget values land on the right named inputs.
+
+Standard library only: urllib for HTTP and a minimal RFC 6455 client over a raw socket for the
+websocket. When the websocket cannot be opened the client polls ``/history`` instead.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+import socket
+import ssl
+import struct
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import LeversError
+
+DEFAULT_SERVER = "http://127.0.0.1:8188"
+
+# Exit codes of `levers run` (documented in docs/workflows.md).
+EXIT_OK = 0
+EXIT_FAILED = 1          # ComfyUI rejected the prompt or execution failed / was interrupted
+EXIT_INVALID = 2         # the workflow or a --set is invalid (nothing was submitted)
+EXIT_UNREACHABLE = 3     # no ComfyUI answered at --server
+EXIT_TIMEOUT = 124       # --timeout elapsed; the prompt may still be running on the server
+EXIT_INTERRUPTED = 130   # Ctrl-C (the prompt is interrupted on the server)
+
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+ANY_TYPES = frozenset({"*", "COMFY_MATCHTYPE_V3"})
+# Frontend-only nodes: never sent to the server.
+VIRTUAL_NODES = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
+# The extra widget value the frontend stores after a seed-like widget.
+CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
+MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".gguf", ".pkl")
+MODE_NEVER, MODE_BYPASS = 2, 4
+
+
+class WorkflowError(LeversError, ValueError):
+    """The workflow file or a --set cannot be turned into a valid prompt (nothing was submitted)."""
+
+    def __init__(self, message: str, problems: Iterable[str] = ()):
+        self.problems = list(problems)
+        text = message if not self.problems else message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)
+
+
+class ServerUnreachable(LeversError, ConnectionError):
+    """Nothing answered at the server URL."""
+
+    def __init__(self, url: str, reason: str):
+        self.url, self.reason = url, reason
+        super().__init__(
+            f"cannot reach ComfyUI at {url} ({reason}). Start it (e.g. `python main.py --listen 127.0.0.1 "
+            f"--port 8188`) or point --server / COMFYUI_URL at the running server.")
+
+
+class PromptRejected(LeversError, RuntimeError):
+    """ComfyUI answered /prompt with a validation error."""
+
+    def __init__(self, error: dict, node_errors: dict, api: dict):
+        self.error, self.node_errors = error, node_errors
+        super().__init__(format_prompt_error(error, node_errors, api))
+
+
+# --------------------------------------------------------------------------------------------
+# /object_info helpers
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a node as /object_info describes it."""
+
+    name: str
+    type: Any                 # "INT", "MODEL", "COMBO", "A,B" or a list of options (legacy combo)
+    options: dict
+    required: bool
+
+    @property
+    def type_name(self) -> str:
+        return "COMBO" if isinstance(self.type, list) else str(self.type)
+
+    @property
+    def choices(self) -> list | None:
+        if isinstance(self.type, list):
+            return self.type
+        if self.type == "COMBO":
+            return list(self.options.get("options", []))
+        return None
+
+    @property
+    def is_widget(self) -> bool:
+        """True when the frontend draws a widget (and stores a value in widgets_values)."""
+        if self.options.get("forceInput") or self.options.get("rawLink"):
+            return False
+        return self.type_name in WIDGET_TYPES or bool(self.options.get("widgetType"))
+
+    @property
+    def has_control_widget(self) -> bool:
+        """The frontend adds a "control after generate" value after this widget."""
+        flag = self.options.get("control_after_generate")
+        if flag is not None:
+            return bool(flag)
+        return self.type_name == "INT" and self.name in ("seed", "noise_seed")
+
+
+def input_specs(node_info: dict) -> list[InputSpec]:
+    """A node's required then optional inputs, in the order the frontend lays out widgets."""
+    inputs = node_info.get("input", {}) or {}
+    order = node_info.get("input_order", {}) or {}
+    specs = []
+    for section in ("required", "optional"):
+        entries = inputs.get(section, {}) or {}
+        names = list(order.get(section) or entries.keys())
+        names += [n for n in entries if n not in names]
+        for name in names:
+            if name not in entries:
+                continue
+            raw = entries[name]
+            if isinstance(raw, str):
+                raw = [raw]
+            type_, opts = raw[0], (raw[1] if len(raw) > 1 and isinstance(raw[1], dict) else {})
+            specs.append(InputSpec(name, type_, opts, section == "required"))
+    return specs
+
+
+def _output_types(node_info: dict) -> list:
+    return list(node_info.get("output", []) or [])
+
+
+def _types_compatible(received, expected) -> bool:
+    """ComfyUI's validate_node_input rules: exact, "*", unions ("A,B") overlap, list-typed combos."""
+    if isinstance(received, list):
+        return expected == "COMBO" or isinstance(expected, list)
+    if isinstance(expected, list):
+        expected = "COMBO"
+    if received == expected or received in ANY_TYPES or expected in ANY_TYPES:
+        return True
+    received_set = {t.strip() for t in str(received).split(",")}
+    expected_set = {t.strip() for t in str(expected).split(",")}
+    return bool(received_set & expected_set) or "*" in received_set or "*" in expected_set
+
+
+# --------------------------------------------------------------------------------------------
+# UI format -> API format
+# --------------------------------------------------------------------------------------------
+
+def is_ui_format(workflow: dict) -> bool:
+    return isinstance(workflow, dict) and isinstance(workflow.get("nodes"), list) and "links" in workflow
+
+
+def _link_table(ui: dict) -> dict[int, tuple]:
+    """link id -> (origin_id, origin_slot, target_id, target_slot, type); both link encodings."""
+    table = {}
+    for link in ui.get("links") or []:
+        if isinstance(link, dict):
+            table[link["id"]] = (link["origin_id"], link["origin_slot"], link["target_id"],
+                                 link["target_slot"], link.get("type"))
+        else:
+            table[link[0]] = tuple(link[1:6])
+    return table
+
+
+def _node_label(node: dict) -> str:
+    title = node.get("title")
+    return f"node {node.get('id')} ({node.get('type')}{', ' + repr(title) if title else ''})"
+
+
+def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
+    """Convert a UI-format workflow (what ComfyUI's Save writes) into the API format /prompt takes.
+
+    Widget values map to named inputs in the order of the node's required+optional inputs
+    (link-only inputs hold no widget value; seed widgets carry an extra "control after generate"
+    value); links become ``["origin_id", slot]``; Note/MarkdownNote are dropped; Reroutes are
+    followed to their source; PrimitiveNodes are replaced by their value; muted nodes are dropped
+    and bypassed nodes pass their matching input through, as the frontend does.
+    """
+    if not is_ui_format(ui_workflow):
+        raise WorkflowError("not a UI-format workflow (expected 'nodes' and 'links')")
+    nodes = {n["id"]: n for n in ui_workflow["nodes"]}
+    links = _link_table(ui_workflow)
+    subgraphs = {sg.get("id") for sg in (ui_workflow.get("definitions") or {}).get("subgraphs", [])}
+    problems: list[str] = []
+
+    def resolve(link_id, depth=0):
+        """Follow a link to ("link", [id, slot]) or ("value", v); None when nothing feeds it."""
+        if link_id is None or link_id not in links or depth > len(nodes) + 1:
+            return None
+        origin_id, origin_slot = links[link_id][0], links[link_id][1]
+        origin = nodes.get(origin_id)
+        if origin is None:
+            problems.append(f"link {link_id} starts at node {origin_id}, which is not in the workflow")
+            return None
+        kind = origin.get("type")
+        if kind == "Reroute":
+            ins = origin.get("inputs") or []
+            return resolve(ins[0].get("link") if ins else None, depth + 1)
+        if kind == "PrimitiveNode":
+            values = origin.get("widgets_values") or []
+            if not values:
+                problems.append(f"{_node_label(origin)} has no value")
+                return None
+            return ("value", values[0])
+        mode = origin.get("mode", 0)
+        if mode == MODE_NEVER:
+            return None
+        if mode == MODE_BYPASS:
+            return resolve(_bypass_input_link(origin, origin_slot), depth + 1)
+        return ("link", [str(origin_id), int(origin_slot)])
+
+    api: dict[str, dict] = {}
+    for node in sorted(ui_workflow["nodes"], key=lambda n: _id_sort_key(n["id"])):
+        kind = node.get("type")
+        if kind in VIRTUAL_NODES or node.get("mode", 0) in (MODE_NEVER, MODE_BYPASS):
+            continue
+        if kind in subgraphs:
+            problems.append(f"{_node_label(node)} is a subgraph; unpack it in ComfyUI (right-click > Unpack "
+                            "Subgraph) or export with Workflow > Export (API)")
+            continue
+        info = object_info.get(kind)
+        if info is None:
+            if _has_links(node):
+                problems.append(f"{_node_label(node)}: node type {kind!r} is not installed on this ComfyUI")
+            continue  # an unlinked unknown node is frontend-only decoration (labels, groups helpers)
+        inputs = _convert_inputs(node, info, resolve, problems)
+        api[str(node["id"])] = {"inputs": inputs, "class_type": kind,
+                                "_meta": {"title": node.get("title") or info.get("display_name") or kind}}
+    if problems:
+        raise WorkflowError("cannot convert the UI workflow to API format:", problems)
+    return api
+
+
+def _id_sort_key(node_id):
+    text = str(node_id)
+    return (0, int(text), "") if text.isdigit() else (1, 0, text)
+
+
+def _has_links(node: dict) -> bool:
+    ins = any(i.get("link") is not None for i in node.get("inputs") or [])
+    outs = any(o.get("links") for o in node.get("outputs") or [])
+    return ins or outs
+
+
+def _bypass_input_link(node: dict, slot: int):
+    """The input link a bypassed node passes through for output ``slot`` (frontend rule)."""
+    outputs = node.get("outputs") or []
+    inputs = node.get("inputs") or []
+    out_type = outputs[slot].get("type") if slot < len(outputs) else None
+    if slot < len(inputs) and inputs[slot].get("type") == out_type and inputs[slot].get("link") is not None:
+        return inputs[slot]["link"]
+    for inp in inputs:
+        if inp.get("type") == out_type and inp.get("link") is not None:
+            return inp["link"]
+    return None
+
+
+def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dict:
+    specs = input_specs(info)
+    linked = {}
+    for inp in node.get("inputs") or []:
+        name = (inp.get("widget") or {}).get("name") or inp.get("name")
+        if inp.get("link") is not None:
+            linked[name] = inp["link"]
+    values = node.get("widgets_values")
+    by_name = values if isinstance(values, dict) else None
+    queue = list(values) if isinstance(values, list) else []
+    out: dict[str, Any] = {}
+    for spec in specs:
+        value, has_value = None, False
+        if spec.is_widget:
+            if by_name is not None:
+                has_value = spec.name in by_name
+                value = by_name.get(spec.name)
+            elif queue:
+                value, has_value = queue.pop(0), True
+                if spec.has_control_widget and queue and queue[0] in CONTROL_VALUES:
+                    queue.pop(0)
+                upload = next((k for k, v in spec.options.items() if k.endswith("_upload") and v), None)
+                if upload and queue and queue[0] == upload[: -len("_upload")]:
+                    queue.pop(0)  # the upload button's stored value ("image", "video", ...)
+        if spec.name in linked:
+            source = resolve(linked[spec.name])
+            if source is not None:
+                out[spec.name] = source[1]
+                continue
+        if has_value:
+            out[spec.name] = value
+    # Inputs the schema does not list (dynamic inputs of some nodes) but the UI wired up.
+    for name, link_id in linked.items():
+        if name not in out and not any(s.name == name for s in specs):
+            source = resolve(link_id)
+            if source is not None:
+                out[name] = source[1]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# API format validation
+# --------------------------------------------------------------------------------------------
+
+def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = False) -> list[str]:
+    """Check an API-format prompt against /object_info; returns the problems (empty when valid).
+
+    Checks what ComfyUI's own validation checks before running: node types installed, input names
+    known, required inputs present, widget values of the right type and range, combo values among
+    the choices, links pointing at an existing node's output of a compatible type, and at least one
+    output node. With ``allow_missing_files`` a combo value that names a model file absent from the
+    server is not reported (example workflows name files users download themselves).
+    """
+    if not isinstance(api, dict) or not api:
+        return ["the prompt is empty: expected {node_id: {'class_type': ..., 'inputs': {...}}}"]
+    problems: list[str] = []
+    has_output = False
+    for node_id, node in api.items():
+        if not isinstance(node, dict) or "class_type" not in node:
+            problems.append(f"node {node_id}: not a node (no class_type); is this an API-format workflow?")
+            continue
+        kind = node["class_type"]
+        label = f"node {node_id} ({kind})"
+        info = object_info.get(kind)
+        if info is None:
+            problems.append(f"{label}: node type {kind!r} is not installed on this ComfyUI")
+            continue
+        has_output = has_output or bool(info.get("output_node"))
+        inputs = node.get("inputs", {})
+        if not isinstance(inputs, dict):
+            problems.append(f"{label}: 'inputs' must be an object")
+            continue
+        specs = {s.name: s for s in input_specs(info)}
+        hidden = set((info.get("input", {}) or {}).get("hidden", {}) or {})
+        for name, value in inputs.items():
+            spec = specs.get(name)
+            if spec is None:
+                if name not in hidden:
+                    known = ", ".join(specs) or "none"
+                    problems.append(f"{label}: unknown input {name!r} (inputs: {known})")
+                continue
+            problems.extend(_check_value(label, spec, value, api, object_info, allow_missing_files))
+        for spec in specs.values():
+            if spec.required and spec.name not in inputs:
+                problems.append(f"{label}: required input {spec.name!r} ({spec.type_name}) is missing")
+    if not has_output and not problems:
+        problems.append("the prompt has no output node (SaveImage, PreviewImage, SaveLatent, ...): "
+                        "ComfyUI would run nothing")
+    return problems
+
+
+def _is_link(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], (str, int))
+            and isinstance(value[1], int) and not isinstance(value[1], bool))
+
+
+def _check_value(label, spec: InputSpec, value, api, object_info, allow_missing_files) -> list[str]:
+    where = f"{label}: input {spec.name!r}"
+    if _is_link(value):
+        source = api.get(str(value[0]))
+        if source is None:
+            return [f"{where} links to node {value[0]}, which is not in the prompt"]
+        source_info = object_info.get(source.get("class_type"))
+        if source_info is None:
+            return []  # reported on that node
+        outputs = _output_types(source_info)
+        if not 0 <= value[1] < len(outputs):
+            return [f"{where} links to output {value[1]} of node {value[0]} ({source['class_type']}), "
+                    f"which has {len(outputs)} output(s)"]
+        if not _types_compatible(outputs[value[1]], spec.type):
+            got = "COMBO" if isinstance(outputs[value[1]], list) else outputs[value[1]]
+            return [f"{where} expects {spec.type_name} but node {value[0]} ({source['class_type']}) "
+                    f"output {value[1]} is {got}"]
+        return []
+    if not spec.is_widget and spec.type_name not in WIDGET_TYPES:
+        return [f"{where} is a {spec.type_name} input: it takes a link [node_id, output_index], not {value!r}"]
+    kind = spec.type_name
+    if kind == "INT":
+        if isinstance(value, bool) or not _convertible(int, value) or (
+                isinstance(value, float) and not value.is_integer()):
+            return [f"{where} expects an integer, got {value!r}"]
+        return _check_range(where, int(float(value)), spec.options)
+    if kind == "FLOAT":
+        if isinstance(value, bool) or not _convertible(float, value) or not math.isfinite(float(value)):
+            return [f"{where} expects a number, got {value!r}"]
+        return _check_range(where, float(value), spec.options)
+    if kind == "BOOLEAN":
+        return [] if isinstance(value, bool) else [f"{where} expects true or false, got {value!r}"]
+    if kind == "STRING":
+        return [] if isinstance(value, str) else [f"{where} expects a string, got {value!r}"]
+    choices = spec.choices
+    if choices is not None and not spec.options.get("multiselect"):
+        if value not in choices:
+            if allow_missing_files and isinstance(value, str) and value.lower().endswith(MODEL_FILE_SUFFIXES):
+                return []
+            return [_not_in_list(where, value, choices)]
+    return []
+
+
+def _convertible(kind, value) -> bool:
+    try:
+        kind(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
+def _check_range(where: str, value, options: dict) -> list[str]:
+    low, high = options.get("min"), options.get("max")
+    if low is not None and value < low:
+        return [f"{where} = {value} is below its minimum {low}"]
+    if high is not None and value > high:
+        return [f"{where} = {value} is above its maximum {high}"]
+    return []
+
+
+def _not_in_list(where: str, value, choices: list) -> str:
+    if not choices:
+        return f"{where} = {value!r}: the server lists no choices (no model file of that kind installed?)"
+    shown = ", ".join(repr(c) for c in choices[:12]) + (", ..." if len(choices) > 12 else "")
+    hint = " (file missing from the server's models folder?)" if str(value).lower().endswith(
+        MODEL_FILE_SUFFIXES) else ""
+    return f"{where} = {value!r} is not one of: {shown}{hint}"
+
+
+# --------------------------------------------------------------------------------------------
+# --set NODE.INPUT=VALUE
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Assignment:
+    node: str
+    input: str
+    raw: str
+
+
+def parse_set(text: str) -> Assignment:
+    """Parse ``NODE.INPUT=VALUE``; NODE is a node id, a title or a unique class type."""
+    key, sep, raw = text.partition("=")
+    node, dot, name = key.strip().rpartition(".")
+    if not sep or not dot or not node or not name:
+        raise WorkflowError(f"--set {text!r}: expected NODE.INPUT=VALUE, e.g. --set 3.seed=42 or "
+                            f"--set \"KSampler.steps=20\" (NODE is a node id or title)")
+    return Assignment(node.strip(), name.strip(), raw)
+
+
+def find_node(api: dict, ref: str) -> str:
+    """Node id for ``ref``: an id, else a title (exact, then case-insensitive), else a unique class type."""
+    if ref in api:
+        return ref
+    for match in (lambda n: n.get("_meta", {}).get("title") == ref,
+                  lambda n: str(n.get("_meta", {}).get("title", "")).lower() == ref.lower(),
+                  lambda n: n.get("class_type") == ref):
+        hits = [i for i, n in api.items() if match(n)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise WorkflowError(f"--set: {ref!r} matches nodes {', '.join(hits)}; use the node id instead")
+    listing = [f"{i} {n.get('_meta', {}).get('title', n.get('class_type'))!r}" for i, n in api.items()]
+    raise WorkflowError(f"--set: no node {ref!r} in the workflow; nodes are:", listing)
+
+
+def coerce_value(spec: InputSpec, raw: str, where: str):
+    """Turn the text of a --set into the value type the input takes."""
+    kind = spec.type_name
+    text = raw.strip()
+    if kind == "STRING":
+        return raw
+    if kind == "BOOLEAN":
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise WorkflowError(f"{where}: expects true or false, got {raw!r}")
+    if kind == "INT":
+        try:
+            number = float(text)
+            if not number.is_integer():
+                raise ValueError(text)
+            value = int(text) if text.lstrip("+-").isdigit() else int(number)  # int() keeps 64-bit seeds exact
+        except (ValueError, OverflowError):
+            raise WorkflowError(f"{where}: expects an integer, got {raw!r}") from None
+        problems = _check_range(where, value, spec.options)
+        if problems:
+            raise WorkflowError(problems[0])
+        return value
+    if kind == "FLOAT":
+        try:
+            value = float(text)
+        except ValueError:
+            raise WorkflowError(f"{where}: expects a number, got {raw!r}") from None
+        problems = _check_range(where, value, spec.options)
+        if problems:
+            raise WorkflowError(problems[0])
+        return value
+    choices = spec.choices
+    if choices is not None:
+        for choice in choices:
+            if str(choice) == raw or str(choice) == text:
+                return choice
+        if text.lower().endswith(MODEL_FILE_SUFFIXES):
+            return text  # the server names the missing file itself
+        raise WorkflowError(_not_in_list(where, raw, choices))
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return raw
+
+
+def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) -> dict:
+    """Return a copy of ``api`` with each --set applied; every target is checked first."""
+    result = json.loads(json.dumps(api))
+    for a in assignments:
+        node_id = find_node(result, a.node)
+        node = result[node_id]
+        info = object_info.get(node["class_type"])
+        where = f"--set {a.node}.{a.input}"
+        if info is None:
+            raise WorkflowError(f"{where}: node type {node['class_type']!r} is not installed on this ComfyUI")
+        specs = {s.name: s for s in input_specs(info)}
+        spec = specs.get(a.input)
+        if spec is None:
+            raise WorkflowError(f"{where}: node {node_id} ({node['class_type']}) has no input {a.input!r}; "
+                                f"inputs: {', '.join(specs) or 'none'}")
+        if not spec.is_widget and spec.type_name not in WIDGET_TYPES:
+            raise WorkflowError(f"{where}: {a.input!r} is a {spec.type_name} link input; --set only sets "
+                                f"widget values (numbers, text, choices)")
+        node.setdefault("inputs", {})[a.input] = coerce_value(spec, a.raw, where)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP + websocket
+# --------------------------------------------------------------------------------------------
+
+def normalize_server(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+class ComfyClient:
+    """The few ComfyUI endpoints `levers run` needs."""
+
+    def __init__(self, server: str, timeout: float = 30.0):
+        self.server = normalize_server(server)
+        self.timeout = timeout
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"} if data else {})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except (urllib.error.URLError, ConnectionError, socket.timeout, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerUnreachable(self.server, str(reason)) from None
+
+    def get_json(self, path: str):
+        status, payload = self._request("GET", path)
+        if status != 200:
+            raise LeversError(f"GET {path} answered HTTP {status}: {payload[:300].decode(errors='replace')}")
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError:
+            raise ServerUnreachable(self.server, f"GET {path} did not return JSON; is this a ComfyUI server?") from None
+
+    def object_info(self) -> dict:
+        return self.get_json("/object_info")
+
+    def submit(self, api: dict, client_id: str) -> str:
+        status, payload = self._request("POST", "/prompt", {"prompt": api, "client_id": client_id})
+        try:
+            answer = json.loads(payload)
+        except json.JSONDecodeError:
+            answer = {}
+        if status == 200 and "prompt_id" in answer:
+            return answer["prompt_id"]
+        if isinstance(answer, dict) and ("error" in answer or "node_errors" in answer):
+            raise PromptRejected(answer.get("error") or {}, answer.get("node_errors") or {}, api)
+        raise LeversError(f"POST /prompt answered HTTP {status}: {payload[:500].decode(errors='replace')}")
+
+    def history(self, prompt_id: str) -> dict | None:
+        return self.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
+
+    def interrupt(self, prompt_id: str) -> None:
+        self._request("POST", "/interrupt", {"prompt_id": prompt_id})
+
+    def view(self, filename: str, subfolder: str, kind: str) -> bytes:
+        query = urllib.parse.urlencode({"filename": filename, "subfolder": subfolder, "type": kind})
+        status, payload = self._request("GET", f"/view?{query}")
+        if status != 200:
+            raise LeversError(f"GET /view {filename!r} answered HTTP {status}")
+        return payload
+
+    def ws_url(self, client_id: str) -> str:
+        parsed = urllib.parse.urlsplit(self.server)
+        scheme = "wss" if parsed.scheme == "https" else "ws"
+        return f"{scheme}://{parsed.netloc}{parsed.path}/ws?clientId={client_id}"
+
+
+class WebSocketClosed(ConnectionError):
+    pass
+
+
+class WebSocket:
+    """A minimal RFC 6455 client: text/binary frames in, pong/close out. Enough for ComfyUI's /ws."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buffer = b""
+
+    @classmethod
+    def connect(cls, url: str, timeout: float = 10.0) -> "WebSocket":
+        parsed = urllib.parse.urlsplit(url)
+        secure = parsed.scheme == "wss"
+        host, port = parsed.hostname, parsed.port or (443 if secure else 80)
+        sock = socket.create_connection((host, port), timeout=timeout)
+        if secure:
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+        key = base64.b64encode(os.urandom(16)).decode()
+        path = parsed.path + ("?" + parsed.query if parsed.query else "")
+        request = (f"GET {path} HTTP/1.1\r\nHost: {parsed.netloc}\r\nUpgrade: websocket\r\n"
+                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        sock.sendall(request.encode())
+        ws = cls(sock)
+        head = ws._read_until(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
+        if " 101 " not in status_line + " ":
+            sock.close()
+            raise WebSocketClosed(f"websocket handshake refused: {status_line}")
+        return ws
+
+    def _read_until(self, marker: bytes) -> bytes:
+        while marker not in self._buffer:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise WebSocketClosed("connection closed during handshake")
+            self._buffer += chunk
+        head, _, self._buffer = self._buffer.partition(marker)
+        return head
+
+    def _read_exact(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            chunk = self.sock.recv(max(65536, n - len(self._buffer)))
+            if not chunk:
+                raise WebSocketClosed("server closed the websocket")
+            self._buffer += chunk
+        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        return data
+
+    def _send(self, opcode: int, payload: bytes = b"") -> None:
+        mask = os.urandom(4)  # clients must mask every frame
+        header = bytes([0x80 | opcode])
+        n = len(payload)
+        if n < 126:
+            header += bytes([0x80 | n])
+        elif n < 1 << 16:
+            header += bytes([0x80 | 126]) + struct.pack(">H", n)
+        else:
+            header += bytes([0x80 | 127]) + struct.pack(">Q", n)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(header + mask + masked)
+
+    def recv(self, timeout: float | None) -> tuple[int, bytes] | None:
+        """Next complete message as (opcode, payload); None on timeout (nothing consumed)."""
+        self.sock.settimeout(timeout)
+        message, opcode = b"", None
+        while True:
+            try:
+                first = self._read_exact(2)
+            except socket.timeout:
+                if opcode is None and not message:
+                    return None
+                raise
+            self.sock.settimeout(30.0)  # the rest of a started frame arrives promptly
+            fin, op = first[0] & 0x80, first[0] & 0x0F
+            n = first[1] & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._read_exact(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._read_exact(8))[0]
+            mask = self._read_exact(4) if first[1] & 0x80 else None
+            payload = self._read_exact(n)
+            if mask:
+                payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+            if op == 0x8:
+                raise WebSocketClosed("server closed the websocket")
+            if op == 0x9:
+                self._send(0xA, payload)
+                continue
+            if op == 0xA:
+                continue
+            if op != 0x0:
+                opcode = op
+            message += payload
+            if fin:
+                return opcode or 0x1, message
+
+    def close(self) -> None:
+        try:
+            self._send(0x8, struct.pack(">H", 1000))
+        except OSError:
+            pass  # already gone; closing is best effort
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Running a prompt
+# --------------------------------------------------------------------------------------------
+
+class Progress:
+    """Live progress on a terminal (one rewritten line) or plain lines when piped."""
+
+    def __init__(self, api: dict, stream=None, quiet: bool = False):
+        self.api = api
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.quiet = quiet
+        self.total = len(_needed_nodes(api))
+        self.done: set[str] = set()
+        self.node: str | None = None
+        self._last_quarter = -1
+        self._open_line = False
+
+    def _title(self, node_id: str) -> str:
+        node = self.api.get(str(node_id), {})
+        title = node.get("_meta", {}).get("title") or node.get("class_type", "?")
+        return f"#{node_id} {title}"
+
+    def _emit(self, text: str, transient: bool = False) -> None:
+        if self.quiet:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text + ("" if transient else "\n"))
+            self._open_line = transient
+        elif not transient:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def cached(self, nodes: Iterable[str]) -> None:
+        nodes = [str(n) for n in nodes]
+        self.done.update(nodes)
+        if nodes:
+            self._emit(f"cached: {len(nodes)} node(s) reused from the last run")
+
+    def executing(self, node_id: str) -> None:
+        if self.node is not None:
+            self.done.add(self.node)
+        self.node = str(node_id)
+        self._last_quarter = -1
+        step = min(len(self.done) + 1, max(self.total, 1))
+        self._emit(f"[{step}/{self.total}] {self._title(node_id)}")
+
+    def step(self, node_id, value: int, maximum: int) -> None:
+        maximum = max(int(maximum), 1)
+        pct = 100.0 * value / maximum
+        bar = "#" * int(pct // 5) + "-" * (20 - int(pct // 5))
+        text = f"    {self._title(node_id)} [{bar}] {value}/{maximum} {pct:3.0f}%"
+        quarter = int(pct // 25)
+        if self.tty:
+            self._emit(text, transient=value < maximum)
+        elif quarter != self._last_quarter:
+            self._emit(text)
+        self._last_quarter = quarter
+
+    def finish(self) -> None:
+        if self._open_line and not self.quiet:
+            self.stream.write("\n")
+            self._open_line = False
+
+
+def _needed_nodes(api: dict) -> set[str]:
+    """Nodes an execution would run: ancestors of output-looking nodes (all nodes when unknown)."""
+    consumers = set()
+    for node in api.values():
+        for value in (node.get("inputs") or {}).values():
+            if _is_link(value):
+                consumers.add(str(value[0]))
+    sinks = [i for i in api if i not in consumers]
+    seen: set[str] = set()
+    stack = list(sinks)
+    while stack:
+        node_id = stack.pop()
+        if node_id in seen or node_id not in api:
+            continue
+        seen.add(node_id)
+        for value in (api[node_id].get("inputs") or {}).values():
+            if _is_link(value):
+                stack.append(str(value[0]))
+    return seen or set(api)
+
+
+@dataclass
+class RunResult:
+    prompt_id: str
+    status: str                                   # "success" | "error" | "interrupted" | "timeout"
+    files: list[str] = field(default_factory=list)
+    reports: dict[str, list[str]] = field(default_factory=dict)   # "#id title" -> texts
+    error: dict | None = None
+    outputs: dict = field(default_factory=dict)
+
+
+def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: float | None = None,
+               progress: Progress | None = None, use_websocket: bool = True, poll_interval: float = 0.5
+               ) -> RunResult:
+    """Submit ``api``, follow it to the end, download its files into ``out_dir``."""
+    progress = progress or Progress(api, quiet=True)
+    client_id = uuid.uuid4().hex
+    ws = None
+    if use_websocket:
+        try:
+            ws = WebSocket.connect(client.ws_url(client_id), timeout=client.timeout)
+        except (OSError, WebSocketClosed):
+            ws = None  # fall back to polling /history
+    try:
+        prompt_id = client.submit(api, client_id)
+        deadline = None if not timeout else time.monotonic() + timeout
+        try:
+            status, error = _follow(client, ws, prompt_id, progress, deadline, poll_interval)
+        except KeyboardInterrupt:
+            client.interrupt(prompt_id)
+            raise
+    finally:
+        progress.finish()
+        if ws is not None:
+            ws.close()
+    result = RunResult(prompt_id=prompt_id, status=status, error=error)
+    if status == "timeout":
+        return result
+    entry = _final_history(client, prompt_id)
+    result.outputs = entry.get("outputs") or {}
+    if status == "success" and (entry.get("status") or {}).get("status_str") == "error":
+        status = result.status = "error"
+    if result.error is None and status != "success":
+        result.error = _error_from_history(entry)
+    result.reports = collect_reports(api, result.outputs)
+    if out_dir is not None:
+        result.files = download_outputs(client, result.outputs, out_dir)
+    return result
+
+
+def _final_history(client: ComfyClient, prompt_id: str, wait_s: float = 30.0) -> dict:
+    """The /history entry of a finished prompt.
+
+    The websocket reports success before the server's worker files the history entry, so the entry
+    may lag the message by a moment; wait for it (bounded) rather than report no outputs.
+    """
+    end = time.monotonic() + wait_s
+    while True:
+        entry = client.history(prompt_id)
+        if entry and ((entry.get("status") or {}).get("completed") is not None or entry.get("outputs")):
+            return entry
+        if time.monotonic() >= end:
+            return entry or {}
+        time.sleep(0.05)
+
+
+def _follow(client, ws, prompt_id, progress, deadline, poll_interval) -> tuple[str, dict | None]:
+    """Wait for the prompt to end; returns (status, error message data)."""
+    last_history_check = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return "timeout", None
+        wait = poll_interval if deadline is None else max(0.01, min(poll_interval, deadline - now))
+        if ws is not None:
+            try:
+                message = ws.recv(timeout=wait)
+            except (OSError, WebSocketClosed):
+                ws = None  # lost the websocket mid-run: keep following through /history
+                continue
+            if message is not None and message[0] == 0x1:
+                outcome = _on_message(json.loads(message[1]), prompt_id, progress)
+                if outcome is not None:
+                    return outcome
+            # Safety net: a message missed while connecting must not hang the client.
+            if time.monotonic() - last_history_check < 5.0:
+                continue
+        else:
+            time.sleep(wait)
+        last_history_check = time.monotonic()
+        entry = client.history(prompt_id)
+        if entry and (entry.get("status") or {}).get("completed") is not None:
+            st = entry.get("status") or {}
+            if st.get("status_str") == "error" or st.get("completed") is False:
+                err = _error_from_history(entry)
+                interrupted = any(m[0] == "execution_interrupted" for m in st.get("messages", []))
+                return ("interrupted" if interrupted else "error"), err
+            return "success", None
+        if entry and entry.get("outputs") and not entry.get("status"):
+            return "success", None  # very old servers write no status
+
+
+def _on_message(msg: dict, prompt_id: str, progress: Progress):
+    kind, data = msg.get("type"), msg.get("data") or {}
+    if data.get("prompt_id") not in (prompt_id, None):
+        return None
+    if kind == "execution_cached":
+        progress.cached(data.get("nodes") or [])
+    elif kind == "executing":
+        if data.get("node") is None:
+            if data.get("prompt_id") == prompt_id:
+                return "success", None
+        else:
+            progress.executing(str(data.get("display_node") or data["node"]))
+    elif kind == "progress" and data.get("max"):
+        progress.step(data.get("node") or progress.node or "?", int(data.get("value", 0)), int(data["max"]))
+    elif kind == "execution_success" and data.get("prompt_id") == prompt_id:
+        return "success", None
+    elif kind == "execution_error" and data.get("prompt_id") == prompt_id:
+        return "error", data
+    elif kind == "execution_interrupted" and data.get("prompt_id") == prompt_id:
+        return "interrupted", data
+    return None
+
+
+def _error_from_history(entry: dict) -> dict | None:
+    for event, data in (entry.get("status") or {}).get("messages", []) or []:
+        if event in ("execution_error", "execution_interrupted"):
+            return data
+    return None
+
+
+def collect_reports(api: dict, outputs: dict) -> dict[str, list[str]]:
+    """Text the Levers nodes showed on the graph (their ui output), keyed by "#id title"."""
+    reports = {}
+    for node_id, ui in outputs.items():
+        node = api.get(str(node_id), {})
+        if not str(node.get("class_type", "")).startswith("Levers"):
+            continue
+        texts = []
+        for value in (ui or {}).values():
+            if isinstance(value, list):
+                texts += [v for v in value if isinstance(v, str) and v.strip()]
+            elif isinstance(value, str) and value.strip():
+                texts.append(value)
+        if texts:
+            title = node.get("_meta", {}).get("title") or node.get("class_type")
+            reports[f"#{node_id} {title}"] = texts
+    return reports
+
+
+def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[str]:
+    """Fetch every file the run produced (images, videos, latents, ...) through /view."""
+    saved = []
+    target = Path(out_dir)
+    for ui in outputs.values():
+        for value in (ui or {}).values():
+            if not isinstance(value, list):
+                continue
+            for item in value:
+                if not (isinstance(item, dict) and item.get("filename")):
+                    continue
+                name = os.path.basename(str(item["filename"]))
+                subfolder = str(item.get("subfolder") or "")
+                payload = client.view(str(item["filename"]), subfolder, str(item.get("type") or "output"))
+                folder = target / subfolder if subfolder and ".." not in Path(subfolder).parts else target
+                folder.mkdir(parents=True, exist_ok=True)
+                path = _unique_path(folder / name)
+                path.write_bytes(payload)
+                saved.append(str(path))
+    return saved
+
+
+def _unique_path(path: Path) -> Path:
+    if not path.exists():
+        return path
+    for i in range(1, 100000):
+        candidate = path.with_name(f"{path.stem}_{i}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+    raise LeversError(f"too many files named like {path}")
+
+
+def format_prompt_error(error: dict, node_errors: dict, api: dict) -> str:
+    """ComfyUI's /prompt validation error, one line per problem, with node titles."""
+    lines = []
+    if error:
+        head = error.get("message") or error.get("type") or "invalid prompt"
+        details = error.get("details")
+        lines.append(f"ComfyUI rejected the prompt: {head}" + (f": {details}" if details else ""))
+    else:
+        lines.append("ComfyUI rejected the prompt")
+    for node_id, info in (node_errors or {}).items():
+        node = api.get(str(node_id), {})
+        title = node.get("_meta", {}).get("title") or info.get("class_type") or node.get("class_type", "?")
+        for err in info.get("errors", []):
+            msg = err.get("message", "")
+            details = err.get("details")
+            lines.append(f"  - node {node_id} ({title}): {msg}" + (f": {details}" if details else ""))
+    return "\n".join(lines)
+
+
+def format_execution_error(error: dict | None, status: str) -> str:
+    if not error:
+        return f"the prompt ended with status {status!r} (no error details in /history)"
+    where = f"node {error.get('node_id')} ({error.get('node_type')})"
+    if status == "interrupted":
+        return f"execution was interrupted at {where}"
+    text = f"execution failed at {where}: {error.get('exception_type', 'Error')}: {error.get('exception_message', '')}"
+    return text.rstrip()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading workflows and the CLI
+# --------------------------------------------------------------------------------------------
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "example_workflows"
+
+
+def resolve_workflow_path(name: str) -> Path:
+    """A path, or the name of a shipped example (``flux1_dev_16gb`` finds example_workflows/api/...)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    stem = path.stem if path.suffix == ".json" else path.name
+    for candidate in (EXAMPLES_DIR / "api" / f"{stem}.json", EXAMPLES_DIR / f"{stem}.json"):
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(p.stem for p in (EXAMPLES_DIR / "api").glob("*.json")) if (EXAMPLES_DIR / "api").is_dir() else []
+    hint = f" Shipped examples: {', '.join(shipped)}." if shipped else ""
+    raise WorkflowError(f"workflow file {name!r} not found.{hint}")
+
+
+def load_workflow(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise WorkflowError(f"{path}: not valid JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("prompt"), dict) and not is_ui_format(data):
+        data = data["prompt"]  # a saved /prompt request body
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{path}: expected a JSON object (UI or API format workflow)")
+    return data
+
+
+def prepare_prompt(workflow: dict, object_info: dict, sets: Iterable[str] = (), validate: bool = True) -> dict:
+    """UI or API workflow + --set assignments -> a checked API prompt; raises WorkflowError."""
+    api = ui_to_api(workflow, object_info) if is_ui_format(workflow) else json.loads(json.dumps(workflow))
+    api = apply_sets(api, [parse_set(s) for s in sets], object_info)
+    if validate:
+        problems = validate_api(api, object_info)
+        if problems:
+            raise WorkflowError("the workflow is not valid for this ComfyUI (nothing was submitted):", problems)
+    return api
+
+
+def register_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``levers run`` to the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "run", help="run a workflow on a running ComfyUI (headless), with live progress",
+        description="Submit a workflow (API or UI format, or the name of a shipped example) to a running "
+                    "ComfyUI, follow it live, download its outputs and print the Levers reports.")
+    p.add_argument("workflow", help="workflow JSON (API or UI format) or a shipped example name")
+    p.add_argument("--server", default=os.environ.get("COMFYUI_URL", DEFAULT_SERVER),
+                   help=f"ComfyUI URL (default: $COMFYUI_URL or {DEFAULT_SERVER})")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NODE.INPUT=VALUE",
+                   help="override a widget value; NODE is a node id or title (repeatable)")
+    p.add_argument("--out", default="levers_output", help="folder for downloaded outputs (default: levers_output)")
+    p.add_argument("--timeout", type=float, default=0,
+                   help="give up waiting after this many seconds (0 = wait forever); exit code 124")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip the local check against /object_info (the server still validates)")
+    p.add_argument("--dry-run", action="store_true", help="convert, apply --set and validate, then print the "
+                   "API prompt instead of running it")
+    p.add_argument("--poll", action="store_true", help="poll /history instead of using the websocket")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--json", dest="json_summary", action="store_true",
+                   help="print a JSON summary (prompt id, status, files, reports) on stdout")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    """Entry point of ``levers run``; returns the process exit code."""
+    err = sys.stderr
+    client = ComfyClient(args.server)
+    try:
+        workflow = load_workflow(resolve_workflow_path(args.workflow))
+        object_info = client.object_info()
+        api = prepare_prompt(workflow, object_info, args.sets, validate=not args.no_validate)
+    except ServerUnreachable as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_UNREACHABLE
+    except WorkflowError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_INVALID
+    except LeversError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_FAILED
+    if args.dry_run:
+        print(json.dumps(api, indent=2))
+        return EXIT_OK
+    progress = Progress(api, stream=err, quiet=args.quiet)
+    try:
+        result = run_prompt(client, api, out_dir=args.out, timeout=args.timeout or None, progress=progress,
+                            use_websocket=not args.poll)
+    except PromptRejected as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_FAILED
+    except ServerUnreachable as exc:
+        print(f"error: lost the server during the run: {exc}", file=err)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        print("\ninterrupted: asked ComfyUI to stop this prompt", file=err)
+        return EXIT_INTERRUPTED
+    except LeversError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_FAILED
+    _print_result(result, args, err)
+    return {"success": EXIT_OK, "timeout": EXIT_TIMEOUT}.get(result.status, EXIT_FAILED)
+
+
+def _print_result(result: RunResult, args, err) -> None:
+    for title, texts in result.reports.items():
+        print(f"--- Levers report: {title}", file=err if args.json_summary else sys.stdout)
+        for text in texts:
+            print(text, file=err if args.json_summary else sys.stdout)
+    if result.status == "timeout":
+        print(f"error: still running after {args.timeout:g} s (prompt {result.prompt_id} stays queued on the "
+              f"server; POST /interrupt to stop it)", file=err)
+    elif result.status != "success":
+        print(f"error: {format_execution_error(result.error, result.status)}", file=err)
+        tb = (result.error or {}).get("traceback")
+        if tb and not args.quiet:
+            print("".join(tb[-3:]).rstrip(), file=err)
+    elif not args.quiet:
+        where = f" into {args.out}" if result.files else ""
+        print(f"done: prompt {result.prompt_id}, {len(result.files)} file(s) saved{where}", file=err)
+        for path in result.files:
+            print(f"  {path}", file=err)
+    if args.json_summary:
+        print(json.dumps({"prompt_id": result.prompt_id, "status": result.status, "files": result.files,
+                          "reports": result.reports, "error": result.error}, indent=2, default=str))
