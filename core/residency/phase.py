@@ -1,0 +1,535 @@
+"""Phase offload: a component holds its device only during its phase; offload is a pointer swap.
+
+``apply_phase_offload(module, PhaseConfig(...), transport)`` stages one host master per physical
+storage (tied weights stay tied), pins the masters once (budgeted, fail-soft), and returns a
+``PhaseHandle``:
+
+- ``onload()``  copies every master to the device through the transport and rebinds each
+  parameter/buffer to its device view;
+- ``offload()`` rebinds each parameter/buffer back to its still-valid host master: zero bytes
+  move and ``param.data_ptr()`` equals the master's afterwards;
+- ``remove()``  restores the module exactly as it was handed over.
+
+Masters go stale when weights change. The handle notices (a parameter object or its ``.data`` was
+replaced, or ``param._version`` moved because of an in-place update through the parameter) and
+re-stages: a host replacement is adopted as the new master without a copy; a device-side change
+is copied back once (counted as device->host bytes and as ``restaged``). Writes through
+``param.data`` are invisible to torch's version counter and so to this check; call ``restage()``
+after such patches.
+
+Every onload/offload appends a record to ``handle.ledger`` (bytes each way, seconds, GB/s, peak
+device memory) that reports and benchmarks read as plain dicts.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..errors import ConfigError, IncompatibleInput
+from .pinned import PinMode, PinnedStore, PinOutcome, StorageGroup, TensorRef, group_by_storage
+from .transport import Transport, note_compute, tensor_nbytes
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    """How one component is phase-offloaded.
+
+    name:            label in ledgers and reports ("diffusion_model", "text_encoder", "vae").
+    pin:             auto (seed 002's RAM rule) / on / off.
+    pin_budget_bytes: explicit cap on bytes this handle may page-lock (replaces the RAM rule).
+    sync_onload:     host-synchronise at the end of onload so the ledger's seconds and GB/s
+                     measure finished copies (one sync per phase boundary; phases are seconds long).
+    """
+
+    name: str = "component"
+    pin: PinMode | str = PinMode.AUTO
+    pin_budget_bytes: int | None = None
+    sync_onload: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin", PinMode.parse(self.pin, "pin"))
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("name", self.name, "a non-empty string", "Name the component, e.g. 'vae'.")
+        if self.pin_budget_bytes is not None and (not isinstance(self.pin_budget_bytes, int)
+                                                  or self.pin_budget_bytes < 0):
+            raise ConfigError("pin_budget_bytes", self.pin_budget_bytes, "None or an int >= 0",
+                              "Leave it None to use the host-RAM rule.")
+
+
+@dataclass
+class PhaseRecord:
+    """One onload or offload, as reports and benchmarks read it."""
+
+    component: str
+    phase: str
+    kind: str                   # "onload" | "offload"
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    seconds: float = 0.0
+    peak_bytes: int | None = None   # torch.cuda.max_memory_allocated over the phase (CUDA only)
+    restaged: int = 0           # tensors whose master had to be re-staged
+
+    @property
+    def gbps(self) -> float | None:
+        moved = self.h2d_bytes + self.d2h_bytes
+        return moved / self.seconds / 1e9 if moved and self.seconds > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        gbps = self.gbps
+        return {"component": self.component, "phase": self.phase, "kind": self.kind,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "seconds": round(self.seconds, 6),
+                "gbps": None if gbps is None else round(gbps, 3), "peak_bytes": self.peak_bytes,
+                "restaged": self.restaged}
+
+
+@dataclass
+class PhaseLedger:
+    """All records of one handle, plus totals."""
+
+    records: list[PhaseRecord] = field(default_factory=list)
+
+    def totals(self) -> dict[str, Any]:
+        on = [r for r in self.records if r.kind == "onload"]
+        off = [r for r in self.records if r.kind == "offload"]
+        on_bytes, on_s = sum(r.h2d_bytes for r in on), sum(r.seconds for r in on)
+        peaks = [r.peak_bytes for r in self.records if r.peak_bytes is not None]
+        return {"onloads": len(on), "offloads": len(off), "h2d_bytes": sum(r.h2d_bytes for r in self.records),
+                "offload_d2h_bytes": sum(r.d2h_bytes for r in off),
+                "onload_seconds": round(on_s, 6),
+                "onload_gbps": round(on_bytes / on_s / 1e9, 3) if on_bytes and on_s > 0 else None,
+                "peak_bytes": max(peaks) if peaks else None,
+                "restaged": sum(r.restaged for r in self.records)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"records": [r.as_dict() for r in self.records], "totals": self.totals()}
+
+
+# --- rebinding -------------------------------------------------------------------------------------
+
+def rebind(obj: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
+    """Point the tensor object ``obj`` (a Parameter or buffer) at ``new`` without copying.
+
+    Plain tensors: ``obj.data = new`` (object identity and autograd flags kept). Tensor subclasses
+    (torchao): ``.data`` assignment silently does nothing there, so the contents are swapped with
+    ``torch.utils.swap_tensors``; the returned object then holds ``obj``'s previous contents.
+    ``new`` must not be an inference tensor (assigning one makes ``obj`` an inference tensor).
+    """
+    if is_traceable_wrapper_subclass(obj) or is_traceable_wrapper_subclass(new):
+        holder = new
+        if isinstance(obj, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+            holder = torch.nn.Parameter(new, requires_grad=obj.requires_grad)
+        torch.utils.swap_tensors(obj, holder)
+        return holder
+    obj.data = new
+    return None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """torch's in-place version counter, or None where it is not tracked (inference tensors)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _reject_unsupported(name: str, t: torch.Tensor) -> None:
+    mod = type(t).__module__ or ""
+    if mod.startswith("bitsandbytes") or hasattr(t, "quant_state") or hasattr(t, "SCB"):
+        raise IncompatibleInput(name, "a plain or torchao tensor", t,
+                                "bitsandbytes keeps its quantization state outside the parameter, so a pointer "
+                                "swap would leave it behind; quantize with Levers' own formats or torchao instead.")
+
+
+# --- slots -----------------------------------------------------------------------------------------
+
+@dataclass
+class _Leaf:
+    """One plain tensor the handle moves: a parameter/buffer, or an inner tensor of a subclass."""
+
+    name: str
+    group: int
+    ref: TensorRef
+    host: torch.Tensor              # view of the master
+    device: torch.Tensor | None = None
+
+
+@dataclass
+class _Slot:
+    """One tensor object registered on the module (tied objects appear once, with every holder)."""
+
+    names: list[str]
+    obj: torch.Tensor               # the Parameter/buffer object (identity never changes)
+    holders: list[tuple[torch.nn.Module, str, bool]]   # (owner, attr, is_param)
+    orig_device: torch.device
+    leaves: list[_Leaf] = field(default_factory=list)
+    subclass: tuple | None = None   # (type, ctx, inner names, size, stride) for wrapper subclasses
+    host_obj: torch.Tensor | None = None   # subclass: the host contents swapped out while onloaded
+    version: int | None = None      # obj._version when last rebound
+    bound_ptr: int = 0              # data_ptr of what we last bound (plain tensors)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def _collect(module: torch.nn.Module) -> list[_Slot]:
+    """Every parameter and buffer object of ``module``, once, with all the places it is held."""
+    slots: dict[int, _Slot] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                full = f"{mod_name}.{attr}" if mod_name else attr
+                slot = slots.get(id(t))
+                if slot is None:
+                    _reject_unsupported(full, t)
+                    slot = _Slot(names=[full], obj=t, holders=[], orig_device=t.device)
+                    slots[id(t)] = slot
+                elif full not in slot.names:
+                    slot.names.append(full)
+                if (mod, attr, is_param) not in slot.holders:
+                    slot.holders.append((mod, attr, is_param))
+    return list(slots.values())
+
+
+def _flatten(name: str, t: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], tuple | None]:
+    """Plain tensors behind ``t``: itself, or a wrapper subclass's inner tensors (one level)."""
+    if not is_traceable_wrapper_subclass(t):
+        return [(name, t.detach())], None
+    inner_names, ctx = t.__tensor_flatten__()
+    inner = [(f"{name}.{n}", getattr(t, n)) for n in inner_names]
+    for n, x in inner:
+        if is_traceable_wrapper_subclass(x):
+            raise IncompatibleInput(n, "a subclass whose inner tensors are plain", x,
+                                    "Nested tensor subclasses are not supported by phase offload.")
+    return inner, (type(t), ctx, list(inner_names), tuple(t.size()), tuple(t.stride()))
+
+
+# --- the handle ------------------------------------------------------------------------------------
+
+class PhaseHandle:
+    """A module under phase offload. Create with ``apply_phase_offload``."""
+
+    def __init__(self, module: torch.nn.Module, config: PhaseConfig, transport: Transport,
+                 store: PinnedStore | None = None) -> None:
+        self.module = module
+        self.config = config
+        self.transport = transport
+        self.device = transport.device
+        self.store = store or PinnedStore(transport, config.pin, config.pin_budget_bytes)
+        self.ledger = PhaseLedger()
+        self.onloaded = False
+        self.removed = False
+        self.pin_outcome: PinOutcome | None = None
+        self._groups: list[StorageGroup] = []
+        self._phase_count = 0
+        self._phase = ""
+        self._slots = _collect(module)
+        for slot in self._slots:
+            dev = slot.orig_device
+            if dev.type != "cpu" and dev != self.device:
+                raise IncompatibleInput(slot.name, f"a tensor on the CPU or on {self.device}", slot.obj,
+                                        f"It lives on {dev}; move the module to one of those first.")
+        stage = self._stage_all()
+        self._bind_host()
+        if stage.d2h_bytes:
+            self.ledger.records.append(stage)
+
+    # --- staging ---------------------------------------------------------------------------------
+
+    def _sources(self, slot: _Slot) -> list[tuple[str, torch.Tensor]]:
+        """Host tensors to stage a slot from: its current masters if they are still valid, else
+        whatever the module holds now (copied home once if it lives on the device)."""
+        if slot.leaves and not self._slot_changed(slot):
+            return [(lf.name, lf.host) for lf in slot.leaves]
+        current = slot.host_obj if slot.host_obj is not None else slot.obj
+        leaves, slot.subclass = _flatten(slot.name, current)
+        hosted = []
+        for n, x in leaves:
+            if x.device.type != "cpu":
+                x = self.transport.copy_to_host(x, tag=f"stage:{n}")
+            hosted.append((n, x))
+        return hosted
+
+    def _stage_all(self) -> PhaseRecord:
+        """(Re)build masters from valid masters and changed tensors; pin new ones once; no rebinding."""
+        rec = PhaseRecord(self.config.name, "stage", "stage")
+        d2h0 = self.transport.ledger.d2h_bytes
+        with torch.inference_mode(False), torch.no_grad():
+            per_slot = [self._sources(slot) for slot in self._slots]
+            if self.transport.ledger.d2h_bytes != d2h0:
+                self.transport.synchronize()  # copies home must have landed before they are masters
+            groups = group_by_storage([item for hosted in per_slot for item in hosted])
+            where: dict[str, tuple[int, TensorRef]] = {}
+            for gi, g in enumerate(groups):
+                for r in g.refs:
+                    where[r.name] = (gi, r)
+            for slot, hosted in zip(self._slots, per_slot):
+                slot.leaves = []
+                for n, _ in hosted:
+                    gi, r = where[n]
+                    slot.leaves.append(_Leaf(n, gi, r, groups[gi].host_view(r)))
+        self._groups = groups
+        self.pin_outcome = self.store.pin_component(self.config.name, groups)
+        rec.d2h_bytes = self.transport.ledger.d2h_bytes - d2h0
+        return rec
+
+    def _bind_host(self) -> None:
+        """Rebind every slot to its master views (zero bytes)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for slot in self._slots:
+                if slot.subclass is None:
+                    rebind(slot.obj, slot.leaves[0].host)
+                    slot.bound_ptr = slot.leaves[0].host.data_ptr()
+                else:
+                    host = self._build_subclass(slot, [lf.host for lf in slot.leaves])
+                    if slot.host_obj is not None:  # onloaded: swap the host contents back in
+                        rebind(slot.obj, slot.host_obj)
+                        slot.host_obj = None
+                    elif not _same_inner(slot.obj, host):
+                        rebind(slot.obj, host)
+                slot.version = _version(slot.obj)
+                for lf in slot.leaves:
+                    lf.device = None
+
+    def restage(self) -> int:
+        """Re-stage masters from what the module holds now (after patches). Returns tensors moved."""
+        if self.onloaded:
+            raise RuntimeError(f"{self.config.name}: restage() while onloaded; offload() first "
+                               "(offload re-stages changed weights itself)")
+        self._stage_all()
+        self._bind_host()
+        return len(self._slots)
+
+    # --- moving -----------------------------------------------------------------------------------
+
+    def onload(self, phase: str = "") -> dict[str, Any]:
+        """Copy every master to the device and rebind to the device copies. Idempotent."""
+        self._check_alive()
+        self._phase_count += 1
+        self._phase = phase or f"phase{self._phase_count}"
+        rec = PhaseRecord(self.config.name, self._phase, "onload")
+        if self.onloaded:
+            return rec.as_dict()
+        rec.restaged = self._adopt_host_changes()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        h2d0 = self.transport.ledger.h2d_bytes
+        t0 = time.perf_counter()
+        tag = f"onload:{self.config.name}"
+        with torch.inference_mode(False), torch.no_grad():
+            # Device buffers are allocated on the compute stream; the copy stream must wait for
+            # compute already issued, which may still read memory the allocator hands us.
+            self.transport.wait_compute(tag)
+            bases = [self._copy_group(g, tag) for g in self._groups]
+            event = self.transport.record(tag)
+            # Compute must not read a weight before its copy has landed.
+            self.transport.wait(event, tag)
+            for slot in self._slots:
+                for lf in slot.leaves:
+                    base = bases[lf.group]
+                    lf.device = base[_ref_key(lf.ref)] if isinstance(base, dict) else lf.ref.view(
+                        base, self._groups[lf.group].span_start)
+                if slot.subclass is None:
+                    rebind(slot.obj, slot.leaves[0].device)
+                    slot.bound_ptr = slot.leaves[0].device.data_ptr()
+                else:
+                    slot.host_obj = rebind(slot.obj, self._build_subclass(slot, [lf.device for lf in slot.leaves]))
+                slot.version = _version(slot.obj)
+            if self.config.sync_onload:
+                self.transport.synchronize()  # so `seconds` covers the copies, not just their issue
+        rec.seconds = time.perf_counter() - t0
+        rec.h2d_bytes = self.transport.ledger.h2d_bytes - h2d0
+        if cuda:
+            rec.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.onloaded = True
+        note_compute(self.transport, f"phase:{self.config.name}")
+        self.ledger.records.append(rec)
+        return rec.as_dict()
+
+    def _copy_group(self, g: StorageGroup, tag: str):
+        """One copy per storage span (aliases stay aliased), or per distinct view for sparse spans."""
+        if not g.per_tensor:
+            dst = self.transport.empty((g.host.numel(),), torch.uint8)  # [span_bytes] uint8
+            return self.transport.copy_to_device(g.host, dst, tag=tag)
+        out: dict[tuple, torch.Tensor] = {}
+        for r in g.refs:
+            key = _ref_key(r)
+            if key not in out:
+                out[key] = self.transport.copy_to_device(g.host_view(r), tag=tag)
+        return out
+
+    def offload(self) -> dict[str, Any]:
+        """Rebind every parameter/buffer to its host master: zero bytes unless weights changed."""
+        self._check_alive()
+        rec = PhaseRecord(self.config.name, self._phase or "offload", "offload")
+        if not self.onloaded:
+            return rec.as_dict()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            rec.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        d2h0, h2d0 = self.transport.ledger.d2h_bytes, self.transport.ledger.h2d_bytes
+        t0 = time.perf_counter()
+        rec.restaged = self._save_device_changes()
+        self._bind_host()
+        self.onloaded = False
+        rec.seconds = time.perf_counter() - t0
+        rec.d2h_bytes = self.transport.ledger.d2h_bytes - d2h0
+        rec.h2d_bytes = self.transport.ledger.h2d_bytes - h2d0
+        self.transport.release(f"offload:{self.config.name}")
+        self.ledger.records.append(rec)
+        return rec.as_dict()
+
+    @contextlib.contextmanager
+    def phase(self, name: str = "") -> Iterator["PhaseHandle"]:
+        """``with handle.phase("decode"): ...`` onloads for the block and offloads after it."""
+        self.onload(name)
+        try:
+            yield self
+        finally:
+            self.offload()
+
+    # --- staleness ---------------------------------------------------------------------------------
+
+    def _slot_changed(self, slot: _Slot) -> bool:
+        """Was the slot's tensor replaced since we bound it (object swapped on the module or .data)?"""
+        for owner, attr, is_param in slot.holders:
+            table = owner._parameters if is_param else owner._buffers
+            if table.get(attr) is not slot.obj:
+                return True
+        if slot.subclass is None:
+            return slot.obj.data_ptr() != slot.bound_ptr
+        return False
+
+    def _adopt_host_changes(self) -> int:
+        """Before onload: a slot replaced while offloaded becomes its own new master (no copy)."""
+        changed = [s for s in self._slots if self._slot_changed(s)]
+        if not changed:
+            return 0
+        self._refresh_slots()
+        self._stage_all()
+        self._bind_host()
+        return len(changed)
+
+    def _save_device_changes(self) -> int:
+        """Before offload: bring home weights changed on the device (patched in place or replaced)."""
+        n = 0
+        with torch.inference_mode(False), torch.no_grad():
+            for slot in self._slots:
+                if (slot.subclass is None and slot.version is not None and not self._slot_changed(slot)
+                        and _version(slot.obj) != slot.version):
+                    # patched in place on the device: copy the new values into the master itself,
+                    # so its pointer (and pin) stay valid
+                    self.transport.copy_to_host(slot.obj.detach(), dst=slot.leaves[0].host,
+                                                tag=f"restage:{slot.name}")
+                    n += 1
+            if n:
+                self.transport.synchronize()  # the master is read right after this
+        replaced = [s for s in self._slots if self._slot_changed(s)]
+        if replaced:
+            # The module holds new tensors: they become masters (copied home if on the device).
+            self._refresh_slots()
+            self._stage_all()
+        return n + len(replaced)
+
+    def _refresh_slots(self) -> None:
+        """Re-collect tensors from the module (objects may have been replaced); keep what we know
+        about objects that are still there, so their masters are reused without a copy."""
+        old = {id(s.obj): s for s in self._slots}
+        fresh = _collect(self.module)
+        for s in fresh:
+            prev = old.get(id(s.obj))
+            if prev is not None:
+                s.orig_device, s.host_obj, s.leaves = prev.orig_device, prev.host_obj, prev.leaves
+                s.subclass, s.bound_ptr, s.version = prev.subclass, prev.bound_ptr, prev.version
+        self._slots = fresh
+
+    # --- helpers / lifecycle -------------------------------------------------------------------------
+
+    def _build_subclass(self, slot: _Slot, inner: list[torch.Tensor]) -> torch.Tensor:
+        cls, ctx, names, size, stride = slot.subclass
+        return cls.__tensor_unflatten__(dict(zip(names, inner)), ctx, size, stride)
+
+    def _check_alive(self) -> None:
+        if self.removed:
+            raise RuntimeError(f"{self.config.name}: this phase-offload handle was removed")
+
+    def master_ptrs(self) -> dict[str, int]:
+        """name -> data_ptr of each plain tensor's master (tests and reports compare against it)."""
+        return {lf.name: lf.host.data_ptr() for s in self._slots for lf in s.leaves}
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the masters (what an onload moves)."""
+        return sum(g.nbytes for g in self._groups)
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready summary for reports and benchmarks."""
+        return {"component": self.config.name, "device": str(self.device), "transport": self.transport.name,
+                "host_bytes": self.host_bytes, "storages": len(self._groups),
+                "tensors": sum(len(s.leaves) for s in self._slots),
+                "pin": None if self.pin_outcome is None else self.pin_outcome.as_dict(),
+                "onloaded": self.onloaded, "ledger": self.ledger.as_dict()}
+
+    def remove(self) -> None:
+        """Offload (zero bytes), unpin, and give the module back as it was handed over.
+
+        Tensors that started on the CPU point at their original storage again; tensors that
+        started on the device are copied back there (the only case where remove() moves bytes).
+        """
+        if self.removed:
+            return
+        if self.onloaded:
+            self.offload()
+        with torch.inference_mode(False), torch.no_grad():
+            for slot in self._slots:
+                if slot.orig_device.type == "cpu":
+                    continue
+                if slot.subclass is None:
+                    rebind(slot.obj, self.transport.copy_to_device(slot.leaves[0].host, tag=f"remove:{slot.name}"))
+                else:
+                    inner = [self.transport.copy_to_device(lf.host, tag=f"remove:{lf.name}") for lf in slot.leaves]
+                    rebind(slot.obj, self._build_subclass(slot, inner))
+            self.transport.synchronize()  # copies must land before the pinned masters are unregistered
+        self.store.release(self.config.name)
+        self._groups = []
+        self.removed = True
+
+
+def _ref_key(r: TensorRef) -> tuple:
+    return (r.byte_offset, r.size, r.stride, r.dtype)
+
+
+def _same_inner(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do two subclass tensors wrap the same inner storages?"""
+    names, _ = a.__tensor_flatten__()
+    return all(getattr(a, n).data_ptr() == getattr(b, n).data_ptr() for n in names)
+
+
+def apply_phase_offload(module: torch.nn.Module, config: PhaseConfig | None = None,
+                        transport: Transport | None = None, store: PinnedStore | None = None) -> PhaseHandle:
+    """Put ``module`` under phase offload and return its handle (module starts offloaded).
+
+    ``transport`` defaults to ``make_transport("cuda")`` (CPU transport where CUDA is missing).
+    ``store`` lets several components share one pin budget.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise IncompatibleInput("module", "a torch.nn.Module", module)
+    config = config or PhaseConfig()
+    if not isinstance(config, PhaseConfig):
+        raise IncompatibleInput("config", "a PhaseConfig", config)
+    if transport is None:
+        from .transport import make_transport
+        transport = make_transport("cuda")
+    return PhaseHandle(module, config, transport, store)
+
+
+__all__ = ["PhaseConfig", "PhaseHandle", "PhaseLedger", "PhaseRecord", "PinMode", "apply_phase_offload",
+           "rebind", "tensor_nbytes"]

@@ -1,0 +1,359 @@
+"""The pinned host store: one host master per physical storage, page-locked in place, budgeted.
+
+Phase offload keeps a host copy ("master") of every weight so that offloading is a pointer swap
+back to it. Masters are grouped by *physical storage* (``untyped_storage().data_ptr()``), so
+tied weights and views share one master and stay tied. Pinning uses ``transport.pin`` (in place,
+``cudaHostRegister``; never a ``pin_memory()`` copy), happens once per master, follows seed 002's
+rule (pin only when available host RAM covers the pinned set twice over), honours an explicit
+budget and OS caps, and fails soft per component: a component that cannot be pinned stays in
+pageable memory and the reason is recorded.
+
+Public API (small on purpose; GroupPrefetch reuses it):
+    PinMode                      auto / on / off
+    pin_decision(pinned_set_bytes, available_ram_bytes, os_name, has_cuda) -> (bool, reason)
+    host_memory() -> (available_bytes | None, total_bytes | None);  os_kind() -> str
+    group_by_storage(named_tensors) -> list[StorageGroup]
+    PinnedStore(transport, mode, budget_bytes).pin_component(name, groups) -> PinOutcome
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from ..types import _StrEnum
+from .transport import Transport, tensor_nbytes
+
+GIB = 1024 ** 3
+
+# Windows (WDDM) refuses page-locked memory beyond about half of RAM; ComfyUI budgets 45%.
+WINDOWS_PIN_FRACTION = 0.45
+# WSL2 page-locks far less (about 1 GiB in reports); beyond it pins fail and can poison later ones.
+WSL_PIN_CAP_BYTES = 1 * GIB
+# Seed 002: pinned pages cannot be swapped, so pin only when available RAM covers the set twice.
+RAM_COVER_FACTOR = 2.0
+# A storage whose span is much bigger than the tensors using it (a view into a whole checkpoint
+# blob) is staged tensor by tensor instead of as one span, so onload never drags foreign bytes.
+MAX_SPAN_SLACK = 1.25
+SPAN_ALIGN = 64
+
+
+class PinMode(_StrEnum):
+    AUTO = "auto"   # seed 002's RAM rule, OS caps, explicit budget
+    ON = "on"       # pin regardless of the RAM rule (still fails soft; explicit budget still applies)
+    OFF = "off"     # pageable masters
+
+
+def os_kind() -> str:
+    """'linux', 'wsl', 'windows' or 'darwin': pinning limits differ between them."""
+    system = platform.system().lower()
+    if system == "linux":
+        release = platform.release().lower()
+        if "microsoft" in release or "wsl" in release or os.environ.get("WSL_DISTRO_NAME"):
+            return "wsl"
+        return "linux"
+    if system.startswith("win"):
+        return "windows"
+    return system or "unknown"
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(available, total) host RAM in bytes; None where it cannot be read."""
+    try:
+        import psutil
+    except ImportError:
+        return None, None
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def pin_decision(pinned_set_bytes: int, available_ram_bytes: int | None, os_name: str, has_cuda: bool,
+                 total_ram_bytes: int | None = None, budget_bytes: int | None = None) -> tuple[bool, str]:
+    """Should a pinned set of ``pinned_set_bytes`` be page-locked here? Returns (pin, reason).
+
+    Seed 002's rule: no CUDA -> no (nothing DMAs from it); RAM unknown -> yes (pinning fails soft
+    per component anyway); otherwise pin only when available RAM >= 2x the pinned set. An explicit
+    ``budget_bytes`` replaces the RAM rule. OS caps (Windows ~45% of RAM, WSL ~1 GiB) apply on top.
+    """
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    os_name = (os_name or "").lower()
+    if not has_cuda:
+        return False, "no CUDA device: nothing DMAs from pinned memory (CPU tier)"
+    if pinned_set_bytes <= 0:
+        return False, "nothing to pin"
+    if os_name == "wsl" and pinned_set_bytes > WSL_PIN_CAP_BYTES:
+        return False, (f"WSL2 page-locks only about {gib(WSL_PIN_CAP_BYTES)}; pinning {gib(pinned_set_bytes)} "
+                       f"would fail and can poison later pins")
+    if os_name == "windows" and total_ram_bytes and pinned_set_bytes > WINDOWS_PIN_FRACTION * total_ram_bytes:
+        return False, (f"Windows caps page-locked memory near half of RAM: {gib(pinned_set_bytes)} > "
+                       f"{WINDOWS_PIN_FRACTION:.0%} of {gib(total_ram_bytes)}")
+    if budget_bytes is not None:
+        if pinned_set_bytes > budget_bytes:
+            return False, f"pinned set {gib(pinned_set_bytes)} exceeds the pin budget {gib(budget_bytes)}"
+        return True, f"pinned set {gib(pinned_set_bytes)} fits the pin budget {gib(budget_bytes)}"
+    if available_ram_bytes is None:
+        return True, "host RAM unknown; pinning fails soft per component"
+    if available_ram_bytes < RAM_COVER_FACTOR * pinned_set_bytes:
+        return False, (f"available RAM {gib(available_ram_bytes)} < {RAM_COVER_FACTOR:g}x the pinned set "
+                       f"{gib(pinned_set_bytes)}: pinned pages cannot be swapped out")
+    return True, (f"available RAM {gib(available_ram_bytes)} >= {RAM_COVER_FACTOR:g}x the pinned set "
+                  f"{gib(pinned_set_bytes)}")
+
+
+# --- storage groups ------------------------------------------------------------------------------
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the physical storage behind ``t`` (tied weights and views share it)."""
+    return t.untyped_storage().data_ptr()
+
+
+@dataclass
+class TensorRef:
+    """Where one named tensor sits inside its storage (byte offset, shape, stride, dtype)."""
+
+    name: str
+    byte_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, base: torch.Tensor, base_byte_offset: int = 0) -> torch.Tensor:
+        """This tensor as a view into the flat uint8 ``base`` that starts at ``base_byte_offset``.
+
+        Span starts are aligned to ``SPAN_ALIGN`` bytes, so the element offset is always whole.
+        """
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        start = base.storage_offset() + self.byte_offset - base_byte_offset  # bytes into base's storage
+        return torch.empty(0, dtype=self.dtype, device=base.device).set_(
+            base.untyped_storage(), start // itemsize, self.size, self.stride)
+
+
+@dataclass
+class StorageGroup:
+    """All tensors that live in one physical storage, and the byte span they use.
+
+    ``host`` is a flat ``uint8`` view of ``[span_start, span_end)`` of that storage: the master.
+    Copying ``host`` once moves every tensor of the group and keeps aliases aliased.
+    ``per_tensor`` is set when the span is much larger than the tensors (a view into a big blob):
+    then each distinct view is copied on its own.
+    """
+
+    key: int
+    host: torch.Tensor                  # [span_bytes] uint8, shares memory with the tensors
+    span_start: int
+    refs: list[TensorRef] = field(default_factory=list)
+    per_tensor: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes an onload of this group moves."""
+        if self.per_tensor:
+            seen = {(r.byte_offset, r.size, r.stride, r.dtype): r.nbytes for r in self.refs}
+            return sum(seen.values())
+        return self.host.numel()
+
+    def host_view(self, ref: TensorRef) -> torch.Tensor:
+        return ref.view(self.host, self.span_start)
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) in bytes of the storage region ``t`` can touch."""
+    itemsize = t.element_size()
+    if t.numel() == 0:
+        start = t.storage_offset() * itemsize
+        return start, start
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)
+    start = t.storage_offset() * itemsize
+    return start, start + extent * itemsize
+
+
+def group_by_storage(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[StorageGroup]:
+    """Group plain (non-subclass) host tensors by physical storage; one master per storage."""
+    by_key: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named_tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: masters must live in host memory, got a tensor on {t.device}")
+        by_key.setdefault(storage_key(t), []).append((name, t))
+    groups = []
+    for key, items in by_key.items():
+        spans = [_byte_span(t) for _, t in items]
+        start = min(s for s, _ in spans)
+        start -= start % SPAN_ALIGN  # aligned spans keep every view's element offset whole on the device
+        end = max(e for _, e in spans)
+        storage = items[0][1].untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, start, (end - start,), (1,))  # [span] uint8
+        refs = [TensorRef(name, t.storage_offset() * t.element_size(), tuple(t.size()), tuple(t.stride()), t.dtype)
+                for name, t in items]
+        used = sum({(r.byte_offset, r.size, r.stride, r.dtype): r.nbytes for r in refs}.values())
+        per_tensor = (end - start) > MAX_SPAN_SLACK * max(used, 1)
+        groups.append(StorageGroup(key=key, host=flat, span_start=start, refs=refs, per_tensor=per_tensor))
+    return groups
+
+
+# --- the store ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PinOutcome:
+    """What happened when a component's masters were offered for pinning."""
+
+    component: str
+    pinned: bool
+    reason: str
+    nbytes: int
+    already_pinned_bytes: int = 0   # bytes someone else (ComfyUI) had already page-locked
+
+    def as_dict(self) -> dict:
+        return {"component": self.component, "pinned": self.pinned, "reason": self.reason,
+                "bytes": self.nbytes, "already_pinned_bytes": self.already_pinned_bytes}
+
+
+class PinnedStore:
+    """Page-locks masters in place, once, within a budget, failing soft per component.
+
+    Keeps the list of host ranges it registered so ``unpin_all`` undoes exactly its own work and
+    never unregisters memory ComfyUI pinned.
+    """
+
+    def __init__(self, transport: Transport, mode: PinMode | str = PinMode.AUTO,
+                 budget_bytes: int | None = None, *, available_ram_bytes: int | None = None,
+                 total_ram_bytes: int | None = None, os_name: str | None = None,
+                 has_cuda: bool | None = None) -> None:
+        self.transport = transport
+        self.mode = PinMode.parse(mode, "pin")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"pin budget_bytes={budget_bytes} must be >= 0 (or None for the RAM rule)")
+        self.budget_bytes = budget_bytes
+        avail, total = host_memory() if available_ram_bytes is None and total_ram_bytes is None else (None, None)
+        self.available_ram_bytes = available_ram_bytes if available_ram_bytes is not None else avail
+        self.total_ram_bytes = total_ram_bytes if total_ram_bytes is not None else total
+        self.os_name = os_name or os_kind()
+        self.has_cuda = (transport.device.type == "cuda") if has_cuda is None else has_cuda
+        self.pinned_bytes = 0
+        self._mine: dict[int, torch.Tensor] = {}    # host ptr -> flat tensor we registered
+        self._by_component: dict[str, dict[int, torch.Tensor]] = {}
+        self.outcomes: dict[str, PinOutcome] = {}
+
+    def pin_component(self, component: str, groups: list[StorageGroup]) -> PinOutcome:
+        """Pin every group of ``component`` or none of them; record and return the outcome.
+
+        Calling it again for the same component (after a re-stage) pins only new ranges and
+        unpins the component's ranges that are no longer masters. Already-pinned ranges are
+        never registered twice.
+        """
+        pieces = [p for g in groups for p in _pin_pieces(g)]
+        mine = self._by_component.setdefault(component, {})
+        self._drop(component, keep={p.data_ptr() for p in pieces})
+        ours = [p for p in pieces if p.data_ptr() in self._mine]
+        already = sum(tensor_nbytes(p) for p in pieces if p.data_ptr() not in self._mine and _is_pinned(p))
+        todo = [p for p in pieces if p.data_ptr() not in self._mine and not _is_pinned(p)]
+        need = sum(tensor_nbytes(p) for p in todo)
+        total = need + already + sum(tensor_nbytes(p) for p in ours)
+        outcome = self._decide(component, need, total, already, bool(ours))
+        if outcome is not None:
+            self.outcomes[component] = outcome
+            return outcome
+        done: list[torch.Tensor] = []
+        for piece in todo:
+            res = self.transport.pin(piece)
+            if not res.pinned:
+                for p in done:  # roll back: a half-pinned component reports as pageable
+                    self._unpin(component, p)
+                self._drop(component, keep=set())
+                outcome = PinOutcome(component, False, f"pageable: pin failed ({res.reason})", total, already)
+                self.outcomes[component] = outcome
+                return outcome
+            done.append(piece)
+            self._mine[piece.data_ptr()] = piece
+            mine[piece.data_ptr()] = piece
+            self.pinned_bytes += tensor_nbytes(piece)
+        how = "pinned in place" if need or ours else "already page-locked"
+        if already and (need or ours):
+            how += f" ({already / GIB:.2f} GiB was already page-locked by ComfyUI)"
+        outcome = PinOutcome(component, True, how, total, already)
+        self.outcomes[component] = outcome
+        return outcome
+
+    def _unpin(self, component: str, piece: torch.Tensor) -> None:
+        ptr = piece.data_ptr()
+        if self._mine.pop(ptr, None) is not None:
+            self.transport.unpin(piece)
+            self.pinned_bytes -= tensor_nbytes(piece)
+        self._by_component.get(component, {}).pop(ptr, None)
+
+    def _drop(self, component: str, keep: set[int]) -> None:
+        """Unpin this component's ranges whose pointer is not in ``keep``."""
+        stale = [p for ptr, p in self._by_component.get(component, {}).items() if ptr not in keep]
+        if stale:
+            self.transport.synchronize()  # a DMA may still read a range we are about to unregister
+        for p in stale:
+            self._unpin(component, p)
+
+    def _decide(self, component: str, need: int, total: int, already: int, ours: bool) -> PinOutcome | None:
+        """An outcome when pinning is skipped, None when it should go ahead."""
+        if self.mode is PinMode.OFF:
+            return PinOutcome(component, False, "pageable: pinning is off", total, already)
+        if need == 0:
+            if ours:
+                return PinOutcome(component, True, "pinned in place", total, already)
+            return PinOutcome(component, bool(total), "already page-locked" if total else "nothing to pin",
+                              total, already)
+        if not self.has_cuda:
+            return PinOutcome(component, False, "pageable: no CUDA device, nothing DMAs from pinned memory",
+                              total, already)
+        if self.mode is PinMode.ON:
+            if self.budget_bytes is not None and self.pinned_bytes + need > self.budget_bytes:
+                return PinOutcome(component, False, f"pageable: pin budget {self.budget_bytes / GIB:.2f} GiB "
+                                  f"is spent ({self.pinned_bytes / GIB:.2f} GiB pinned)", total, already)
+            return None
+        ok, reason = pin_decision(self.pinned_bytes + need, self.available_ram_bytes, self.os_name,
+                                  self.has_cuda, self.total_ram_bytes, self.budget_bytes)
+        return None if ok else PinOutcome(component, False, f"pageable: {reason}", total, already)
+
+    def release(self, component: str) -> None:
+        """Unpin every range this store pinned for ``component`` (e.g. when its handle is removed)."""
+        self._drop(component, keep=set())
+        self._by_component.pop(component, None)
+
+    def unpin_all(self) -> None:
+        """Unregister exactly the ranges this store registered. Waits for in-flight copies first."""
+        self.transport.synchronize()  # a DMA may still read a range we are about to unregister
+        for piece in self._mine.values():
+            self.transport.unpin(piece)
+        self._mine.clear()
+        self._by_component.clear()
+        self.pinned_bytes = 0
+
+    def report(self) -> list[dict]:
+        return [o.as_dict() for o in self.outcomes.values()]
+
+
+def _pin_pieces(group: StorageGroup) -> list[torch.Tensor]:
+    """The contiguous host ranges to register for a group (the span, or each distinct view)."""
+    if not group.per_tensor:
+        return [group.host] if group.host.numel() else []
+    seen: dict[tuple, torch.Tensor] = {}
+    for r in group.refs:
+        t = group.host_view(r)
+        if t.is_contiguous() and t.numel():
+            seen.setdefault((r.byte_offset, r.nbytes), t)
+    return list(seen.values())
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """Page-locked already (by ComfyUI, torch or us)? Only asks CUDA when it is available."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return bool(t.is_pinned())
+    except RuntimeError:
+        return False

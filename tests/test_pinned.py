@@ -1,0 +1,162 @@
+"""The pinned host store: seed 002's pin rule, storage grouping, fail-soft pinning, pin-once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_levers.core.residency import pinned
+from comfyui_levers.core.residency.pinned import (GIB, PinMode, PinnedStore, group_by_storage, pin_decision)
+from comfyui_levers.core.residency.transport import CpuTransport, PinResult
+
+
+class PinningTransport(CpuTransport):
+    """A CPU transport that pretends to page-lock (records what it was asked to pin)."""
+
+    def __init__(self, fail_after: int | None = None):
+        super().__init__()
+        self.pinned: list[int] = []
+        self.unpinned: list[int] = []
+        self.fail_after = fail_after
+
+    def pin(self, t):
+        if self.fail_after is not None and len(self.pinned) >= self.fail_after:
+            return PinResult(False, "simulated cudaHostRegister failure", t.nbytes)
+        self.pinned.append(t.data_ptr())
+        return PinResult(True, "pinned in place", t.nbytes)
+
+    def unpin(self, t):
+        self.unpinned.append(t.data_ptr())
+
+
+# --- pin_decision ---------------------------------------------------------------------------------
+
+def test_pin_decision_follows_the_ram_rule():
+    ok, reason = pin_decision(4 * GIB, 8 * GIB, "linux", True)
+    assert ok and "2x" in reason
+    ok, reason = pin_decision(4 * GIB, 8 * GIB - 1, "linux", True)
+    assert not ok and "cannot be swapped" in reason
+
+
+def test_pin_decision_without_cuda_or_ram_figures():
+    ok, reason = pin_decision(GIB, 64 * GIB, "linux", False)
+    assert not ok and "no CUDA" in reason
+    ok, reason = pin_decision(GIB, None, "linux", True)
+    assert ok and "unknown" in reason
+    assert not pin_decision(0, 64 * GIB, "linux", True)[0]
+
+
+def test_pin_decision_os_caps():
+    ok, reason = pin_decision(2 * GIB, 64 * GIB, "wsl", True)
+    assert not ok and "WSL" in reason
+    assert pin_decision(GIB // 2, 64 * GIB, "wsl", True)[0]
+    ok, reason = pin_decision(20 * GIB, 60 * GIB, "windows", True, total_ram_bytes=32 * GIB)
+    assert not ok and "Windows" in reason
+    assert pin_decision(10 * GIB, 60 * GIB, "windows", True, total_ram_bytes=32 * GIB)[0]
+
+
+def test_pin_decision_explicit_budget_replaces_the_ram_rule():
+    ok, reason = pin_decision(4 * GIB, 5 * GIB, "linux", True, budget_bytes=6 * GIB)
+    assert ok and "budget" in reason            # RAM rule alone would say no
+    ok, reason = pin_decision(4 * GIB, 64 * GIB, "linux", True, budget_bytes=3 * GIB)
+    assert not ok and "budget" in reason        # RAM rule alone would say yes
+
+
+# --- storage groups ---------------------------------------------------------------------------------
+
+def test_tied_and_viewed_tensors_share_one_master():
+    flat = torch.arange(64, dtype=torch.float32)
+    a, b = flat[:32].view(4, 8), flat[32:]
+    other = torch.ones(3)
+    groups = group_by_storage([("a", a), ("b", b), ("a_tied", a), ("other", other)])
+    assert len(groups) == 2
+    g = next(g for g in groups if len(g.refs) == 3)
+    assert not g.per_tensor and g.nbytes == flat.nbytes
+    for ref, t in zip(g.refs, (a, b, a)):
+        v = g.host_view(ref)
+        assert v.data_ptr() == t.data_ptr() and v.shape == t.shape and torch.equal(v, t)
+
+
+def test_sparse_view_into_a_big_blob_is_copied_per_tensor():
+    blob = torch.zeros(10_000)
+    one = group_by_storage([("w", blob[100:164])])[0]      # one view: only its own span moves
+    assert not one.per_tensor and one.nbytes < blob[100:164].nbytes + pinned.SPAN_ALIGN
+    w, v = blob[100:164], blob[9000:9064]
+    g = group_by_storage([("w", w), ("v", v)])[0]           # far apart: each view on its own
+    assert g.per_tensor and g.nbytes == w.nbytes + v.nbytes
+
+
+def test_masters_must_be_host_tensors():
+    with pytest.raises(ValueError, match="host memory"):
+        group_by_storage([("w", torch.empty(2, device="meta"))])
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+def _groups(n=3, size=256):
+    return group_by_storage([(f"w{i}", torch.randn(size)) for i in range(n)])
+
+
+def _store(transport, mode="auto", budget=None, avail=64 * GIB):
+    return PinnedStore(transport, mode, budget, available_ram_bytes=avail, total_ram_bytes=128 * GIB,
+                       os_name="linux", has_cuda=True)
+
+
+def test_store_pins_once_and_releases_exactly_its_own():
+    tr = PinningTransport()
+    store = _store(tr)
+    groups = _groups()
+    out = store.pin_component("dit", groups)
+    assert out.pinned and len(tr.pinned) == 3 and store.pinned_bytes == sum(g.nbytes for g in groups)
+    again = store.pin_component("dit", groups)
+    assert again.pinned and len(tr.pinned) == 3       # pin once, never per step
+    store.release("dit")
+    assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
+
+
+def test_store_fails_soft_and_rolls_back():
+    tr = PinningTransport(fail_after=2)
+    store = _store(tr)
+    out = store.pin_component("vae", _groups())
+    assert not out.pinned and "simulated" in out.reason and out.reason.startswith("pageable")
+    assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
+    assert store.report()[0]["pinned"] is False
+
+
+def test_store_modes_and_budget():
+    g = _groups()
+    need = sum(x.nbytes for x in g)
+    assert not _store(PinningTransport(), "off").pin_component("te", g).pinned
+    low_ram = _store(PinningTransport(), "auto", avail=need)          # < 2x the set
+    out = low_ram.pin_component("te", g)
+    assert not out.pinned and "available RAM" in out.reason
+    assert _store(PinningTransport(), "on", avail=need).pin_component("te", g).pinned
+    out = _store(PinningTransport(), "on", budget=need - 1).pin_component("te", g)
+    assert not out.pinned and "budget" in out.reason
+    cpu_only = PinnedStore(PinningTransport(), "on", available_ram_bytes=64 * GIB, os_name="linux")
+    assert not cpu_only.pin_component("te", g).pinned                # CpuTransport: nothing DMAs
+
+
+def test_store_never_registers_memory_someone_else_pinned(monkeypatch):
+    g = _groups()
+    foreign = {g[0].host.data_ptr()}
+    monkeypatch.setattr(pinned, "_is_pinned", lambda t: t.data_ptr() in foreign)
+    tr = PinningTransport()
+    out = _store(tr).pin_component("dit", g)
+    assert out.pinned and out.already_pinned_bytes == g[0].nbytes
+    assert g[0].host.data_ptr() not in tr.pinned and len(tr.pinned) == 2
+
+
+def test_restage_unpins_masters_that_are_gone():
+    tr = PinningTransport()
+    store = _store(tr)
+    first = _groups(2)
+    store.pin_component("dit", first)
+    second = [first[0]] + _groups(1)
+    store.pin_component("dit", second)
+    assert tr.unpinned == [first[1].host.data_ptr()] and len(tr.pinned) == 3
+
+
+def test_pin_mode_parse_names_the_field():
+    assert PinMode.parse("ON") is PinMode.ON
+    with pytest.raises(ValueError, match="pin"):
+        PinMode.parse("sometimes", "pin")
