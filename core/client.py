@@ -82,9 +82,14 @@ class PromptRejected(LeversError, RuntimeError):
 # /object_info helpers
 # --------------------------------------------------------------------------------------------
 
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"    # a combo whose choice adds inputs named "<combo>.<sub>"
+AUTOGROW = "COMFY_AUTOGROW_V3"            # a growing list of inputs named "<name>.<slot>"
+SOCKETLESS_WIDGET_TYPES = frozenset({"COLOR", "IMAGECOMPARE"})
+
+
 @dataclass(frozen=True)
 class InputSpec:
-    """One input of a node as /object_info describes it."""
+    """One input of a node as /object_info describes it (``name`` is dotted inside dynamic inputs)."""
 
     name: str
     type: Any                 # "INT", "MODEL", "COMBO", "A,B" or a list of options (legacy combo)
@@ -93,7 +98,9 @@ class InputSpec:
 
     @property
     def type_name(self) -> str:
-        return "COMBO" if isinstance(self.type, list) else str(self.type)
+        if isinstance(self.type, list) or self.type == DYNAMIC_COMBO:
+            return "COMBO"
+        return str(self.type)
 
     @property
     def choices(self) -> list | None:
@@ -101,6 +108,8 @@ class InputSpec:
             return self.type
         if self.type == "COMBO":
             return list(self.options.get("options", []))
+        if self.type == DYNAMIC_COMBO:
+            return [o.get("key") for o in self.options.get("options", [])]
         return None
 
     @property
@@ -108,7 +117,8 @@ class InputSpec:
         """True when the frontend draws a widget (and stores a value in widgets_values)."""
         if self.options.get("forceInput") or self.options.get("rawLink"):
             return False
-        return self.type_name in WIDGET_TYPES or bool(self.options.get("widgetType"))
+        return (self.type_name in WIDGET_TYPES or bool(self.options.get("widgetType"))
+                or bool(self.options.get("socketless")) or self.type in SOCKETLESS_WIDGET_TYPES)
 
     @property
     def has_control_widget(self) -> bool:
@@ -116,27 +126,77 @@ class InputSpec:
         flag = self.options.get("control_after_generate")
         if flag is not None:
             return bool(flag)
-        return self.type_name == "INT" and self.name in ("seed", "noise_seed")
+        return self.type_name == "INT" and self.name.rsplit(".", 1)[-1] in ("seed", "noise_seed")
 
 
-def input_specs(node_info: dict) -> list[InputSpec]:
-    """A node's required then optional inputs, in the order the frontend lays out widgets."""
-    inputs = node_info.get("input", {}) or {}
-    order = node_info.get("input_order", {}) or {}
-    specs = []
-    for section in ("required", "optional"):
-        entries = inputs.get(section, {}) or {}
-        names = list(order.get(section) or entries.keys())
-        names += [n for n in entries if n not in names]
-        for name in names:
-            if name not in entries:
-                continue
+def _section_entries(inputs: dict, order: dict | None, section: str) -> list[tuple[str, list]]:
+    entries = inputs.get(section, {}) or {}
+    names = list((order or {}).get(section) or entries.keys())
+    names += [n for n in entries if n not in names]
+    out = []
+    for name in names:
+        if name in entries:
             raw = entries[name]
-            if isinstance(raw, str):
-                raw = [raw]
+            out.append((name, [raw] if isinstance(raw, str) else list(raw)))
+    return out
+
+
+def iter_specs(node_info: dict, value_of=None, present=None):
+    """Yield a node's inputs in widget order, expanding V3 dynamic inputs (ComfyUI 0.33 era).
+
+    ``value_of(name)`` gives the chosen key of a dynamic combo (asked right after it is yielded,
+    so a caller walking widget values can consume the value first); ``present(name)`` tells which
+    autogrow slots are in use. Without them only the plain inputs are known.
+    """
+    yield from _iter_section_specs(node_info.get("input", {}) or {}, node_info.get("input_order"), "",
+                                   value_of, present)
+
+
+def _iter_section_specs(inputs: dict, order, prefix: str, value_of, present):
+    for section in ("required", "optional"):
+        for name, raw in _section_entries(inputs, order, section):
             type_, opts = raw[0], (raw[1] if len(raw) > 1 and isinstance(raw[1], dict) else {})
-            specs.append(InputSpec(name, type_, opts, section == "required"))
-    return specs
+            full = prefix + name
+            if type_ == AUTOGROW:
+                yield from _autogrow_specs(full, opts, section == "required", present)
+                continue
+            spec = InputSpec(full, type_, opts, section == "required")
+            yield spec
+            if type_ == DYNAMIC_COMBO and value_of is not None:
+                chosen = value_of(full)
+                for option in opts.get("options", []):
+                    if option.get("key") == chosen:
+                        yield from _iter_section_specs(option.get("inputs") or {}, None, full + ".", value_of,
+                                                       present)
+                        break
+
+
+def _autogrow_specs(full: str, opts: dict, required: bool, present):
+    template = opts.get("template") or {}
+    body = template.get("input") or {}
+    first = next(((sec, v) for sec in ("required", "optional") for v in (body.get(sec) or {}).values()), None)
+    if first is None:
+        return
+    section, raw = first
+    raw = [raw] if isinstance(raw, str) else list(raw)
+    type_, sub_opts = raw[0], (raw[1] if len(raw) > 1 and isinstance(raw[1], dict) else {})
+    if "names" in template:
+        names = list(template["names"])
+    else:
+        names = [f"{template.get('prefix', '')}{i}" for i in range(int(template.get("max", 10)))]
+    minimum = int(template.get("min", 0))
+    for i, slot in enumerate(names):
+        name = f"{full}.{slot}"
+        must = required and section == "required" and i < minimum
+        if must or (present is not None and present(name)):
+            yield InputSpec(name, type_, sub_opts, must)
+
+
+def input_specs(node_info: dict, live_inputs: dict | None = None) -> list[InputSpec]:
+    """A node's inputs in the order the frontend lays out widgets; dynamic ones per ``live_inputs``."""
+    if live_inputs is None:
+        return list(iter_specs(node_info))
+    return list(iter_specs(node_info, live_inputs.get, live_inputs.__contains__))
 
 
 def _output_types(node_info: dict) -> list:
@@ -270,7 +330,6 @@ def _bypass_input_link(node: dict, slot: int):
 
 
 def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dict:
-    specs = input_specs(info)
     linked = {}
     for inp in node.get("inputs") or []:
         name = (inp.get("widget") or {}).get("name") or inp.get("name")
@@ -280,7 +339,10 @@ def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dic
     by_name = values if isinstance(values, dict) else None
     queue = list(values) if isinstance(values, list) else []
     out: dict[str, Any] = {}
-    for spec in specs:
+    chosen: dict[str, Any] = {}
+    seen = set()
+    for spec in iter_specs(info, chosen.get, linked.__contains__):
+        seen.add(spec.name)
         value, has_value = None, False
         if spec.is_widget:
             if by_name is not None:
@@ -293,6 +355,8 @@ def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dic
                 upload = next((k for k, v in spec.options.items() if k.endswith("_upload") and v), None)
                 if upload and queue and queue[0] == upload[: -len("_upload")]:
                     queue.pop(0)  # the upload button's stored value ("image", "video", ...)
+            if has_value:
+                chosen[spec.name] = value
         if spec.name in linked:
             source = resolve(linked[spec.name])
             if source is not None:
@@ -300,9 +364,9 @@ def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dic
                 continue
         if has_value:
             out[spec.name] = value
-    # Inputs the schema does not list (dynamic inputs of some nodes) but the UI wired up.
+    # Inputs the schema does not list but the UI wired up (inputs a custom frontend adds).
     for name, link_id in linked.items():
-        if name not in out and not any(s.name == name for s in specs):
+        if name not in seen:
             source = resolve(link_id)
             if source is not None:
                 out[name] = source[1]
@@ -341,7 +405,7 @@ def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = Fa
         if not isinstance(inputs, dict):
             problems.append(f"{label}: 'inputs' must be an object")
             continue
-        specs = {s.name: s for s in input_specs(info)}
+        specs = {s.name: s for s in input_specs(info, inputs)}
         hidden = set((info.get("input", {}) or {}).get("hidden", {}) or {})
         for name, value in inputs.items():
             spec = specs.get(name)
@@ -529,7 +593,7 @@ def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) 
         where = f"--set {a.node}.{a.input}"
         if info is None:
             raise WorkflowError(f"{where}: node type {node['class_type']!r} is not installed on this ComfyUI")
-        specs = {s.name: s for s in input_specs(info)}
+        specs = {s.name: s for s in input_specs(info, node.get("inputs") or {})}
         spec = specs.get(a.input)
         if spec is None:
             raise WorkflowError(f"{where}: node {node_id} ({node['class_type']}) has no input {a.input!r}; "
