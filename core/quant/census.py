@@ -1,0 +1,308 @@
+"""Which weights a quantizer may touch, per architecture, decided from state-dict key names.
+
+Everything outside the repeated transformer blocks (patch/text/time embedders, the final layer,
+the head) stays in the compute dtype, and so do adaLN/modulation linears and norms inside the
+blocks: they set the scale of every activation and their error is amplified step after step.
+What is quantized is the attention projections and the MLPs of the blocks, which hold >95% of the
+bytes. ``keep_first_blocks`` / ``keep_last_blocks`` (execution order) and ``extra_skip`` widen the
+kept set.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from .registry import Granularity, QuantConfig, get_quantizer
+
+MIN_QUANT_NUMEL = 4096  # smaller matrices save nothing worth the error
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.model.", "transformer.", "model.", "net.", "unet.")
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """Name rules for one architecture. Regexes match the layer name (key without ``.weight``)."""
+
+    name: str
+    detect: tuple[str, ...]                   # every one must match some key
+    blocks: tuple[str, ...]                   # block patterns in execution order; group 1 = index
+    quantize: tuple[str, ...]                 # layers inside blocks that may be quantized
+    skip: tuple[tuple[str, str], ...] = ()    # (regex, reason), checked first
+    reject: tuple[str, ...] = ()              # detection fails if any of these match a key
+
+
+_MOD = ("(^|\\.)(img_mod|txt_mod|modulation|adaLN_modulation|norm1_context|norm1)\\.(lin|linear|1)$",
+        "adaLN / modulation linear (scales every activation)")
+_EMB = ("(^|\\.)(emb_layers|time_emb|time_embedding|t_embedder)(\\.|$)", "time-embedding projection")
+
+ARCHS: tuple[ArchRules, ...] = (
+    ArchRules(
+        name="chroma",
+        detect=(r"^distilled_guidance_layer\.", r"^double_blocks\.\d+\.img_attn\.qkv\.weight$"),
+        blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
+        quantize=(r"\.(img|txt)_attn\.(qkv|proj)$", r"\.(img|txt)_mlp\.(0|2)$", r"^single_blocks\.\d+\.linear(1|2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="hunyuan_video",
+        detect=(r"^txt_in\.individual_token_refiner\.", r"^double_blocks\.\d+\.img_attn\.qkv\.weight$"),
+        blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
+        quantize=(r"\.(img|txt)_attn\.(qkv|proj)$", r"\.(img|txt)_mlp\.(0|2|fc1|fc2)$",
+                  r"^single_blocks\.\d+\.linear(1|2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="flux",
+        detect=(r"^double_blocks\.\d+\.img_attn\.qkv\.weight$", r"^single_blocks\.\d+\.linear1\.weight$"),
+        blocks=(r"^double_blocks\.(\d+)\.", r"^single_blocks\.(\d+)\."),
+        quantize=(r"\.(img|txt)_attn\.(qkv|proj)$", r"\.(img|txt)_mlp\.(0|2)$", r"^single_blocks\.\d+\.linear(1|2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="wan",
+        detect=(r"^blocks\.\d+\.self_attn\.q\.weight$", r"^(patch_embedding|head\.modulation)"),
+        blocks=(r"^blocks\.(\d+)\.", r"^vace_blocks\.(\d+)\."),
+        quantize=(r"\.(self_attn|cross_attn)\.(q|k|v|o|k_img|v_img)$", r"\.ffn\.(0|2)$",
+                  r"^vace_blocks\.\d+\.(before_proj|after_proj)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="qwen_image",
+        detect=(r"^transformer_blocks\.\d+\.img_mod\.1\.weight$", r"^txt_norm\."),
+        blocks=(r"^transformer_blocks\.(\d+)\.",),
+        quantize=(r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$",
+                  r"\.(img|txt)_mlp\.net\.(0\.proj|2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="ltxv",
+        detect=(r"^adaln_single\.", r"^transformer_blocks\.\d+\.attn1\.to_q\.weight$"),
+        blocks=(r"^transformer_blocks\.(\d+)\.",),
+        quantize=(r"\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+                  r"\.(to_q|to_k|to_v|to_out\.0)$", r"\.(ff|audio_ff)\.net\.(0\.proj|2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="sd3",
+        detect=(r"^joint_blocks\.\d+\.x_block\.attn\.qkv\.weight$",),
+        blocks=(r"^joint_blocks\.(\d+)\.",),
+        quantize=(r"\.(x_block|context_block)\.(attn|attn2)\.(qkv|proj)$", r"\.(x_block|context_block)\.mlp\.(fc1|fc2)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="sdxl_unet",
+        detect=(r"^input_blocks\.\d+\.\d+\.transformer_blocks\.\d+\.attn1\.to_q\.weight$", r"^(label_emb|time_embed)\."),
+        blocks=(r"^input_blocks\.(\d+)\.", r"^middle_block\.()", r"^output_blocks\.(\d+)\."),
+        quantize=(r"\.transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)$",
+                  r"\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)$", r"\.\d+\.(proj_in|proj_out)$"),
+        skip=(_EMB,),
+    ),
+)
+
+_GENERIC_SKIP = (r"(^|[._])(norm\w*|ln\w*|embed\w*|emb|embedder|mod|modulation|adaLN\w*|adaln\w*|time\w*|"
+                 r"final\w*|head|pos\w*|proj_out|patchify\w*|patch_embedding)($|[._])")
+GENERIC = ArchRules(
+    name="generic",
+    detect=(),
+    blocks=(r"^([A-Za-z_]*blocks|layers|[A-Za-z_]*transformer_blocks)\.(\d+)\.",),
+    quantize=(r".",),
+    skip=((_GENERIC_SKIP, "embedder / norm / modulation / final layer (generic rule)"),),
+)
+
+ARCH_NAMES = tuple(a.name for a in ARCHS) + ("generic",)
+
+
+@dataclass(frozen=True)
+class CensusEntry:
+    key: str                       # the key as given (with any prefix)
+    shape: tuple[int, ...] | None
+    nbytes: int
+    quantize: bool
+    reason: str
+    block: int | None = None       # ordinal of its block in execution order
+
+
+@dataclass(frozen=True)
+class Census:
+    arch: str
+    entries: tuple[CensusEntry, ...]
+    n_blocks: int
+    notes: tuple[str, ...] = ()
+    _index: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def should_quantize(self, key: str) -> bool:
+        if not self._index:
+            self._index.update({e.key: e for e in self.entries})
+        e = self._index.get(key)
+        return bool(e and e.quantize)
+
+    @property
+    def quantized(self) -> tuple[CensusEntry, ...]:
+        return tuple(e for e in self.entries if e.quantize)
+
+    @property
+    def kept(self) -> tuple[CensusEntry, ...]:
+        return tuple(e for e in self.entries if not e.quantize)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(e.nbytes for e in self.quantized)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(e.nbytes for e in self.kept)
+
+    def kept_reasons(self) -> dict[str, int]:
+        return dict(Counter(e.reason for e in self.kept).most_common())
+
+    def format_text(self) -> str:
+        mib = 1024 ** 2
+        lines = [f"census ({self.arch}, {self.n_blocks} blocks): quantize {len(self.quantized)} tensors "
+                 f"({self.quantized_bytes / mib:.1f} MiB), keep {len(self.kept)} ({self.kept_bytes / mib:.1f} MiB)"]
+        lines += [f"  kept {n:4d}: {r}" for r, n in self.kept_reasons().items()]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def strip_prefix(keys: Iterable[str]) -> str:
+    """The wrapper prefix most keys share (``model.diffusion_model.`` in full checkpoints), or ''."""
+    keys = list(keys)
+    for p in _PREFIXES:
+        if keys and sum(k.startswith(p) for k in keys) * 2 > len(keys):
+            return p
+    return ""
+
+
+def detect_arch(keys: Iterable[str]) -> str:
+    """Architecture name from state-dict key names ('generic' when nothing matches)."""
+    keys = list(keys)
+    prefix = strip_prefix(keys)
+    names = [k[len(prefix):] if k.startswith(prefix) else k for k in keys]
+    for rules in ARCHS:
+        if all(any(re.search(p, k) for k in names) for p in rules.detect):
+            return rules.name
+    return "generic"
+
+
+def _rules(arch: str) -> ArchRules:
+    if arch == "generic":
+        return GENERIC
+    for r in ARCHS:
+        if r.name == arch:
+            return r
+    raise ValueError(f"arch: unknown architecture {arch!r}; choose one of: auto, {', '.join(ARCH_NAMES)}")
+
+
+def _shapes_of(source) -> dict[str, tuple[tuple[int, ...] | None, int]]:
+    """{key: (shape or None, nbytes)} from a Module, a state dict, {key: shape} or a list of keys."""
+    if isinstance(source, torch.nn.Module):
+        source = source.state_dict(keep_vars=True)
+    if isinstance(source, Mapping):
+        out = {}
+        for k, v in source.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = (tuple(v.shape), v.numel() * v.element_size())
+            elif isinstance(v, (tuple, list, torch.Size)):
+                out[k] = (tuple(v), 2 * math.prod(v))  # assume bf16 when only a shape is given
+            else:
+                out[k] = (None, 0)
+        return out
+    return {k: (None, 0) for k in source}
+
+
+def _block_of(name: str, rules: ArchRules) -> tuple[int, int] | None:
+    for gi, pat in enumerate(rules.blocks):
+        m = re.search(pat, name)
+        if m:
+            idx = m.group(m.lastindex) if m.lastindex else ""
+            return gi, int(idx) if idx else 0
+    return None
+
+
+def _extra_skip_match(name: str, patterns: tuple[str, ...]) -> str | None:
+    for p in patterns:
+        if any(c in p for c in "*?[") and fnmatch.fnmatchcase(name, p):
+            return p
+        if p in name:
+            return p
+    return None
+
+
+def census(source, arch: str | None = None, config: QuantConfig | None = None) -> Census:
+    """Decide, for every tensor of ``source``, quantize or keep, with the reason.
+
+    ``source``: an nn.Module, a state dict, {key: shape}, or key names (then shapes are unknown and
+    only names decide). ``arch``: None/'auto' detects from the keys.
+    """
+    shapes = _shapes_of(source)
+    prefix = strip_prefix(shapes)
+    names = {k: (k[len(prefix):] if k.startswith(prefix) else k) for k in shapes}
+    arch = detect_arch(shapes) if arch in (None, "", "auto") else arch
+    rules = _rules(arch)
+    notes = []
+    if arch == "generic":
+        notes.append("architecture not recognised: generic rule (2-D weights inside numbered blocks, "
+                     "minus embedders / norms / modulation / final layers)")
+
+    block_ids = sorted({b for n in names.values() if (b := _block_of(n, rules)) is not None})
+    ordinal = {b: i for i, b in enumerate(block_ids)}
+    n_blocks = len(block_ids)
+    keep_first = config.keep_first_blocks if config else 0
+    keep_last = config.keep_last_blocks if config else 0
+    extra = config.extra_skip if config else ()
+    quantizer = get_quantizer(config.format) if config else None
+    gran = config.granularity if config else Granularity.PER_ROW
+    bsize = config.block_size if config else 64
+
+    entries = []
+    for key, (shape, nbytes) in shapes.items():
+        name = names[key]
+        layer = name[: -len(".weight")] if name.endswith(".weight") else None
+        b = _block_of(name, rules)
+        blk = ordinal[b] if b is not None else None
+
+        def keep(reason):
+            entries.append(CensusEntry(key, shape, nbytes, False, reason, blk))
+
+        if layer is None:
+            keep("not a weight (bias, scale, buffer)")
+            continue
+        if shape is not None and len(shape) != 2:
+            keep("not a matrix (norm, conv or modulation table)")
+            continue
+        hit = _extra_skip_match(layer, extra)
+        if hit is not None:
+            keep(f"extra_skip '{hit}'")
+            continue
+        skipped = next((reason for pat, reason in rules.skip if re.search(pat, layer)), None)
+        if skipped:
+            keep(skipped)
+            continue
+        if blk is None:
+            keep("outside the blocks (embedder, final layer, head)")
+            continue
+        if blk < keep_first:
+            keep(f"keep_first_blocks={keep_first}")
+            continue
+        if blk >= n_blocks - keep_last:
+            keep(f"keep_last_blocks={keep_last}")
+            continue
+        if not any(re.search(p, layer) for p in rules.quantize):
+            keep(f"not a quantizable projection in the {arch} census")
+            continue
+        if shape is not None and math.prod(shape) < MIN_QUANT_NUMEL:
+            keep(f"smaller than {MIN_QUANT_NUMEL} weights")
+            continue
+        if shape is not None and quantizer is not None:
+            ok, why = quantizer.supports_shape(shape, gran, bsize)
+            if not ok:
+                keep(f"shape not supported by {config.format}: {why}")
+                continue
+        entries.append(CensusEntry(key, shape, nbytes, True, "quantize", blk))
+    return Census(arch=arch, entries=tuple(entries), n_blocks=n_blocks, notes=tuple(notes))

@@ -1,0 +1,267 @@
+"""Realistic state-dict key lists (names + shapes) for census tests, per architecture, scaled down."""
+from __future__ import annotations
+
+
+def flux_keys(depth_double=3, depth_single=4, d=256, prefix="") -> dict:
+    k = {}
+    for n, s in {"img_in": (d, 64), "txt_in": (d, 512), "time_in.in_layer": (d, 256), "time_in.out_layer": (d, d),
+                 "vector_in.in_layer": (d, 768), "vector_in.out_layer": (d, d), "guidance_in.in_layer": (d, 256),
+                 "guidance_in.out_layer": (d, d), "final_layer.linear": (64, d),
+                 "final_layer.adaLN_modulation.1": (2 * d, d)}.items():
+        k[f"{n}.weight"], k[f"{n}.bias"] = s, (s[0],)
+    for i in range(depth_double):
+        for side in ("img", "txt"):
+            for n, s in {f"{side}_mod.lin": (6 * d, d), f"{side}_attn.qkv": (3 * d, d), f"{side}_attn.proj": (d, d),
+                         f"{side}_mlp.0": (4 * d, d), f"{side}_mlp.2": (d, 4 * d)}.items():
+                k[f"double_blocks.{i}.{n}.weight"], k[f"double_blocks.{i}.{n}.bias"] = s, (s[0],)
+            k[f"double_blocks.{i}.{side}_attn.norm.query_norm.scale"] = (64,)
+            k[f"double_blocks.{i}.{side}_attn.norm.key_norm.scale"] = (64,)
+    for i in range(depth_single):
+        for n, s in {"linear1": (7 * d, d), "linear2": (d, 5 * d), "modulation.lin": (3 * d, d)}.items():
+            k[f"single_blocks.{i}.{n}.weight"], k[f"single_blocks.{i}.{n}.bias"] = s, (s[0],)
+        k[f"single_blocks.{i}.norm.query_norm.scale"] = (64,)
+    return {prefix + key: v for key, v in k.items()}
+
+
+def chroma_keys() -> dict:
+    k = {key: v for key, v in flux_keys().items() if "_mod." not in key and "modulation.lin" not in key
+         and not key.startswith(("time_in", "vector_in", "guidance_in"))}
+    for i in range(2):
+        k[f"distilled_guidance_layer.layers.{i}.in_layer.weight"] = (256, 256)
+        k[f"distilled_guidance_layer.norms.{i}.scale"] = (256,)
+    k["distilled_guidance_layer.in_proj.weight"] = (256, 64)
+    return k
+
+
+def hunyuan_video_keys() -> dict:
+    k = flux_keys()
+    k["img_in.proj.weight"] = (256, 16, 1, 2, 2)
+    del k["img_in.weight"]
+    for n, s in {"txt_in.input_embedder": (256, 4096), "txt_in.t_embedder.mlp.0": (256, 256),
+                 "txt_in.individual_token_refiner.blocks.0.self_attn_qkv": (768, 256),
+                 "txt_in.individual_token_refiner.blocks.0.mlp.fc1": (1024, 256)}.items():
+        k[f"{n}.weight"] = s
+    return k
+
+
+def wan_keys(depth=4, d=256, ffn=1024, i2v=False, prefix="") -> dict:
+    k = {"patch_embedding.weight": (d, 16, 1, 2, 2), "patch_embedding.bias": (d,),
+         "text_embedding.0.weight": (d, 4096), "text_embedding.2.weight": (d, d),
+         "time_embedding.0.weight": (d, 256), "time_embedding.2.weight": (d, d),
+         "time_projection.1.weight": (6 * d, d), "head.head.weight": (64, d), "head.modulation": (1, 2, d)}
+    for i in range(depth):
+        p = f"blocks.{i}."
+        for a in ("self_attn", "cross_attn"):
+            for n in ("q", "k", "v", "o"):
+                k[f"{p}{a}.{n}.weight"], k[f"{p}{a}.{n}.bias"] = (d, d), (d,)
+            k[f"{p}{a}.norm_q.weight"] = (d,)
+            k[f"{p}{a}.norm_k.weight"] = (d,)
+        if i2v:
+            k[f"{p}cross_attn.k_img.weight"] = (d, d)
+            k[f"{p}cross_attn.v_img.weight"] = (d, d)
+        k[f"{p}norm3.weight"] = (d,)
+        k[f"{p}ffn.0.weight"], k[f"{p}ffn.2.weight"] = (ffn, d), (d, ffn)
+        k[f"{p}modulation"] = (1, 6, d)
+    if i2v:
+        k["img_emb.proj.1.weight"] = (d, 1280)
+    return {prefix + key: v for key, v in k.items()}
+
+
+def qwen_image_keys(depth=3, d=256) -> dict:
+    k = {"img_in.weight": (d, 64), "txt_in.weight": (d, 3584), "txt_norm.weight": (3584,),
+         "time_text_embed.timestep_embedder.linear_1.weight": (d, 256), "norm_out.linear.weight": (2 * d, d),
+         "proj_out.weight": (64, d)}
+    for i in range(depth):
+        p = f"transformer_blocks.{i}."
+        for n in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"):
+            k[f"{p}attn.{n}.weight"] = (d, d)
+        for s in ("img", "txt"):
+            k[f"{p}{s}_mod.1.weight"] = (6 * d, d)
+            k[f"{p}{s}_mlp.net.0.proj.weight"] = (4 * d, d)
+            k[f"{p}{s}_mlp.net.2.weight"] = (d, 4 * d)
+        k[f"{p}attn.norm_q.weight"] = (128,)
+    return k
+
+
+def ltxv_keys(depth=3, d=256) -> dict:
+    k = {"patchify_proj.weight": (d, 128), "adaln_single.linear.weight": (6 * d, d),
+         "adaln_single.emb.timestep_embedder.linear_1.weight": (d, 256), "caption_projection.linear_1.weight": (d, 4096),
+         "proj_out.weight": (128, d), "scale_shift_table": (2, d)}
+    for i in range(depth):
+        p = f"transformer_blocks.{i}."
+        for a in ("attn1", "attn2"):
+            for n in ("to_q", "to_k", "to_v", "to_out.0"):
+                k[f"{p}{a}.{n}.weight"] = (d, d)
+            k[f"{p}{a}.q_norm.weight"] = (d,)
+        k[f"{p}ff.net.0.proj.weight"] = (4 * d, d)
+        k[f"{p}ff.net.2.weight"] = (d, 4 * d)
+        k[f"{p}scale_shift_table"] = (6, d)
+    return k
+
+
+def sd3_keys(depth=3, d=256) -> dict:
+    k = {"x_embedder.proj.weight": (d, 16, 2, 2), "t_embedder.mlp.0.weight": (d, 256),
+         "y_embedder.mlp.0.weight": (d, 2048), "context_embedder.weight": (d, 4096),
+         "final_layer.linear.weight": (64, d), "final_layer.adaLN_modulation.1.weight": (2 * d, d), "pos_embed": (1, 64, d)}
+    for i in range(depth):
+        for blk in ("x_block", "context_block"):
+            p = f"joint_blocks.{i}.{blk}."
+            k[p + "attn.qkv.weight"] = (3 * d, d)
+            k[p + "attn.proj.weight"] = (d, d)
+            k[p + "mlp.fc1.weight"] = (4 * d, d)
+            k[p + "mlp.fc2.weight"] = (d, 4 * d)
+            k[p + "adaLN_modulation.1.weight"] = (6 * d, d)
+    return k
+
+
+def sdxl_keys(prefix="model.diffusion_model.") -> dict:
+    k = {"time_embed.0.weight": (1280, 320), "time_embed.2.weight": (1280, 1280), "label_emb.0.0.weight": (1280, 2816),
+         "input_blocks.0.0.weight": (320, 4, 3, 3), "out.2.weight": (4, 320, 3, 3)}
+    for blk, ch in (("input_blocks.4", 640), ("input_blocks.7", 1280), ("middle_block", 1280), ("output_blocks.2", 1280)):
+        k[f"{blk}.0.in_layers.2.weight"] = (ch, ch, 3, 3)
+        k[f"{blk}.0.emb_layers.1.weight"] = (ch, 1280)
+        k[f"{blk}.1.proj_in.weight"] = (ch, ch)
+        k[f"{blk}.1.proj_out.weight"] = (ch, ch)
+        t = f"{blk}.1.transformer_blocks.0."
+        for a, kv in (("attn1", ch), ("attn2", 2048)):
+            k[t + f"{a}.to_q.weight"] = (ch, ch)
+            k[t + f"{a}.to_k.weight"] = (ch, kv)
+            k[t + f"{a}.to_v.weight"] = (ch, kv)
+            k[t + f"{a}.to_out.0.weight"] = (ch, ch)
+        k[t + "ff.net.0.proj.weight"] = (8 * ch, ch)
+        k[t + "ff.net.2.weight"] = (ch, 4 * ch)
+        k[t + "norm1.weight"] = (ch,)
+    return {prefix + key: v for key, v in k.items()}
+
+
+# ---------------------------------------------------------------------------------------------- tests
+import pytest  # noqa: E402
+
+from comfyui_levers.core.quant import QuantConfig, census, detect_arch  # noqa: E402
+
+ARCH_CASES = {
+    "flux": flux_keys, "chroma": chroma_keys, "hunyuan_video": hunyuan_video_keys, "wan": wan_keys,
+    "qwen_image": qwen_image_keys, "ltxv": ltxv_keys, "sd3": sd3_keys, "sdxl_unet": sdxl_keys,
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CASES))
+def test_detects_architecture(arch):
+    assert detect_arch(ARCH_CASES[arch]()) == arch
+
+
+def test_detects_through_checkpoint_prefix_and_wan_i2v():
+    assert detect_arch(flux_keys(prefix="model.diffusion_model.")) == "flux"
+    assert detect_arch(wan_keys(i2v=True, prefix="diffusion_model.")) == "wan"
+    assert detect_arch(["encoder.layers.0.fc1.weight", "encoder.layers.0.norm.weight"]) == "generic"
+
+
+def _q(c):
+    return {e.key for e in c.quantized}
+
+
+def test_flux_census_exact():
+    c = census(flux_keys())
+    expected = {f"double_blocks.{i}.{s}_{n}.weight" for i in range(3) for s in ("img", "txt")
+                for n in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    expected |= {f"single_blocks.{i}.linear{j}.weight" for i in range(4) for j in (1, 2)}
+    assert _q(c) == expected
+    assert c.n_blocks == 7
+    kept = {e.key: e.reason for e in c.kept}
+    assert "modulation" in kept["double_blocks.0.img_mod.lin.weight"]
+    assert "modulation" in kept["single_blocks.0.modulation.lin.weight"]
+    assert "outside" in kept["img_in.weight"] and "outside" in kept["final_layer.linear.weight"]
+
+
+def test_wan_census_exact_and_prefix_kept_in_keys():
+    keys = wan_keys(depth=3, i2v=True, prefix="model.diffusion_model.")
+    c = census(keys)
+    p = "model.diffusion_model."
+    expected = {f"{p}blocks.{i}.{a}.{n}.weight" for i in range(3) for a in ("self_attn", "cross_attn")
+                for n in ("q", "k", "v", "o")}
+    expected |= {f"{p}blocks.{i}.cross_attn.{n}.weight" for i in range(3) for n in ("k_img", "v_img")}
+    expected |= {f"{p}blocks.{i}.ffn.{j}.weight" for i in range(3) for j in (0, 2)}
+    assert _q(c) == expected
+    assert not c.should_quantize(p + "blocks.0.modulation")
+    assert not c.should_quantize(p + "head.head.weight")
+    assert not c.should_quantize(p + "text_embedding.0.weight")
+
+
+@pytest.mark.parametrize("arch,must_quant,must_keep", [
+    ("chroma", "single_blocks.1.linear1.weight", "distilled_guidance_layer.layers.0.in_layer.weight"),
+    ("hunyuan_video", "double_blocks.0.txt_mlp.0.weight", "txt_in.individual_token_refiner.blocks.0.mlp.fc1.weight"),
+    ("qwen_image", "transformer_blocks.1.attn.add_k_proj.weight", "transformer_blocks.1.img_mod.1.weight"),
+    ("qwen_image", "transformer_blocks.0.txt_mlp.net.0.proj.weight", "norm_out.linear.weight"),
+    ("ltxv", "transformer_blocks.2.attn2.to_out.0.weight", "adaln_single.linear.weight"),
+    ("sd3", "joint_blocks.1.context_block.mlp.fc2.weight", "joint_blocks.1.x_block.adaLN_modulation.1.weight"),
+    ("sdxl_unet", "model.diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.weight",
+     "model.diffusion_model.input_blocks.4.0.emb_layers.1.weight"),
+    ("sdxl_unet", "model.diffusion_model.output_blocks.2.1.proj_in.weight",
+     "model.diffusion_model.label_emb.0.0.weight"),
+])
+def test_census_per_architecture(arch, must_quant, must_keep):
+    c = census(ARCH_CASES[arch]())
+    assert c.arch == arch
+    assert c.should_quantize(must_quant)
+    assert not c.should_quantize(must_keep)
+    # nothing 1-D or conv-shaped is ever quantized, and the big block matrices dominate the bytes
+    assert all(len(e.shape) == 2 for e in c.quantized)
+    assert c.quantized_bytes > c.kept_bytes
+
+
+def test_sdxl_block_order_and_keep_first_last():
+    c = census(sdxl_keys(), config=QuantConfig("fp8", keep_first_blocks=2, keep_last_blocks=1))
+    assert c.n_blocks == 5  # input_blocks.0 (conv_in), .4, .7, middle_block, output_blocks.2
+    p = "model.diffusion_model."
+    assert not c.should_quantize(p + "input_blocks.4.1.proj_in.weight")
+    assert c.should_quantize(p + "input_blocks.7.1.proj_in.weight")
+    assert c.should_quantize(p + "middle_block.1.proj_in.weight")
+    assert not c.should_quantize(p + "output_blocks.2.1.proj_in.weight")
+
+
+def test_keep_first_last_follow_execution_order_across_groups():
+    cfg = QuantConfig("fp8", keep_first_blocks=2, keep_last_blocks=3)
+    c = census(flux_keys(), config=cfg)
+    blocks_quantized = {e.key.split(".")[0] + "." + e.key.split(".")[1] for e in c.quantized}
+    # 3 double + 4 single in execution order: drop double 0,1 and single 1,2,3
+    assert blocks_quantized == {"double_blocks.2", "single_blocks.0"}
+    reasons = {e.reason for e in c.kept}
+    assert "keep_first_blocks=2" in reasons and "keep_last_blocks=3" in reasons
+
+
+def test_extra_skip_substring_and_glob():
+    cfg = QuantConfig("fp8", extra_skip="img_mlp, single_blocks.*.linear2")
+    c = census(flux_keys(), config=cfg)
+    assert not any("img_mlp" in e.key or "linear2" in e.key for e in c.quantized)
+    assert any("txt_mlp" in e.key for e in c.quantized)
+    assert any(e.reason.startswith("extra_skip") for e in c.kept)
+
+
+def test_shape_rules_per_format():
+    keys = {"blocks.0.self_attn.q.weight": (256, 200), "blocks.0.self_attn.k.weight": (256, 256),
+            "blocks.0.ffn.0.weight": (8, 8), "patch_embedding.weight": (1,), "head.modulation": (1, 2, 4)}
+    c = census(keys, arch="wan", config=QuantConfig("fp8", "per_block", block_size=64))
+    assert _q(c) == {"blocks.0.self_attn.k.weight"}
+    c = census(keys, arch="wan", config=QuantConfig("fp8", "per_row"))
+    assert _q(c) == {"blocks.0.self_attn.q.weight", "blocks.0.self_attn.k.weight"}
+
+
+def test_generic_fallback_skips_embedders_and_norms():
+    keys = {"embed_tokens.weight": (1000, 256), "layers.0.attn.q_proj.weight": (256, 256),
+            "layers.0.norm1.weight": (256, 256), "layers.0.mlp.fc1.weight": (1024, 256),
+            "layers.1.time_mod.weight": (256, 256), "final_proj.weight": (64, 256)}
+    c = census(keys)
+    assert c.arch == "generic" and c.notes
+    assert _q(c) == {"layers.0.attn.q_proj.weight", "layers.0.mlp.fc1.weight"}
+
+
+def test_unknown_arch_is_a_clear_error():
+    with pytest.raises(ValueError, match="arch: unknown architecture 'mamba'.*wan"):
+        census(flux_keys(), arch="mamba")
+
+
+def test_names_only_census_works_without_shapes():
+    c = census(list(wan_keys(depth=2)))
+    assert c.should_quantize("blocks.1.ffn.2.weight")
+    assert c.should_quantize("blocks.1.self_attn.o.weight")
+    assert not c.should_quantize("time_projection.1.weight")
