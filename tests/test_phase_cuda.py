@@ -1,0 +1,121 @@
+"""Phase offload on a real CUDA device (skipped on CPU).
+
+Run the checks:      pytest tests/test_phase_cuda.py -q
+Print a benchmark:   python tests/test_phase_cuda.py [--gib 4]   (JSON: onload GB/s pinned vs pageable,
+                     raw pinned H2D GB/s, offload bytes, peak memory). No timed assertions here.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from comfyui_levers.core.residency.phase import PhaseConfig, apply_phase_offload
+from comfyui_levers.core.residency.transport import CudaTransport, RecordingTransport
+
+pytestmark = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.LayerNorm(512), nn.Linear(512, 256)).to(dtype).eval()
+    m.register_buffer("gain", torch.linspace(0.5, 1.5, 256, dtype=dtype))
+    return m
+
+
+def _run(m, x):
+    return m(x) * m.gain
+
+
+@needs_cuda
+@pytest.mark.parametrize("pin", ["on", "off"])
+def test_cuda_cycles_are_bit_exact_and_offload_is_free(pin):
+    plain = _model().cuda()
+    x = torch.randn(8, 256, device="cuda")
+    want = _run(plain, x)
+    managed = _model()
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_phase_offload(managed, PhaseConfig(name="dit", pin=pin), tr)
+    masters = h.master_ptrs()
+    assert h.report()["pin"]["pinned"] is (pin == "on")
+    if pin == "on":
+        assert managed[0].weight.is_pinned()
+    base = torch.cuda.memory_allocated()
+    for _ in range(3):
+        with torch.inference_mode():
+            rec = h.onload("sample")
+            assert managed[0].weight.is_cuda and rec["h2d_bytes"] == h.host_bytes
+            assert torch.equal(_run(managed, x), want)
+            off = h.offload()
+        assert off["d2h_bytes"] == 0 and not tr.kinds("d2h")
+        assert all(p.data_ptr() == masters[n] for n, p in managed.named_parameters())
+        assert not managed[0].weight.is_cuda and not managed[0].weight.is_inference()
+        assert torch.cuda.memory_allocated() == base      # device copies are gone after offload
+    h.remove()
+    assert not managed[0].weight.is_pinned()
+
+
+@needs_cuda
+def test_cuda_in_place_patch_is_copied_home_once():
+    managed = _model()
+    h = apply_phase_offload(managed, PhaseConfig(name="dit", pin="on"), CudaTransport("cuda"))
+    master = h.master_ptrs()["0.weight"]
+    h.onload()
+    with torch.no_grad():
+        managed[0].weight.add_(1.0)
+    rec = h.offload()
+    assert rec["restaged"] == 1 and rec["d2h_bytes"] == managed[0].weight.nbytes
+    assert managed[0].weight.data_ptr() == master
+    plain = _model()
+    with torch.no_grad():
+        plain[0].weight.add_(1.0)
+    assert torch.equal(managed[0].weight, plain[0].weight)
+    h.remove()
+
+
+def bench(gib: float = 4.0, layers: int = 16) -> dict:
+    """Onload/offload a bf16 stack of ``gib`` GiB; compare with a raw pinned copy of the same size."""
+    per = int(gib * 1024 ** 3 / layers / 2)              # bf16 elements per layer
+    side = int(per ** 0.5)
+    out: dict = {"gib": gib, "layers": layers, "device": torch.cuda.get_device_name()}
+    raw = torch.empty(layers * side * side, dtype=torch.bfloat16, pin_memory=True)
+    dst = torch.empty_like(raw, device="cuda")
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(raw, non_blocking=True)
+        torch.cuda.synchronize()
+        raw_s = time.perf_counter() - t0
+    out["raw_pinned_h2d_gbps"] = round(raw.nbytes / raw_s / 1e9, 2)
+    del raw, dst
+    for pin in ("on", "off"):
+        m = nn.Sequential(*[nn.Linear(side, side, bias=False, dtype=torch.bfloat16, device="meta")
+                            for _ in range(layers)]).to_empty(device="cpu")   # values do not matter here
+        t0 = time.perf_counter()
+        h = apply_phase_offload(m, PhaseConfig(name=f"stack_{pin}", pin=pin), CudaTransport("cuda"))
+        out[f"apply_seconds_pin_{pin}"] = round(time.perf_counter() - t0, 3)
+        x = torch.randn(64, side, device="cuda", dtype=torch.bfloat16)
+        for i in range(3):
+            h.onload(f"run{i}")
+            with torch.inference_mode():
+                m(x)
+            h.offload()
+        out[f"pin_{pin}"] = h.report()
+        h.remove()
+        del m, h
+        torch.cuda.empty_cache()
+    on = [r for r in out["pin_on"]["ledger"]["records"] if r["kind"] == "onload"][1:]
+    best = max(r["gbps"] for r in on)
+    out["pinned_onload_gbps_best"] = best
+    out["pinned_onload_vs_raw"] = round(best / out["raw_pinned_h2d_gbps"], 3)
+    return out
+
+
+if __name__ == "__main__":
+    gib = float(sys.argv[sys.argv.index("--gib") + 1]) if "--gib" in sys.argv else 4.0
+    print(json.dumps(bench(gib), indent=1))
