@@ -1,0 +1,630 @@
+"""`levers run` and the workflow conversion, without ComfyUI.
+
+A fake ComfyUI on 127.0.0.1 (ThreadingHTTPServer) speaks the endpoints the client uses: /object_info,
+/prompt, /history, /view, /interrupt and the /ws websocket (hand-rolled RFC 6455 frames), so the
+whole CLI path runs for real, including its exit codes.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import hashlib
+import json
+import queue
+import socket
+import struct
+import threading
+import urllib.parse
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from comfyui_levers.core import client as C
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_OI = Path(__file__).resolve().parent / "fixtures" / "object_info_workflows.json"
+
+# ---------------------------------------------------------------------------------------------
+# A small /object_info in ComfyUI's own shapes (legacy list combos, V3 "COMBO" combos, a seed with
+# control_after_generate, an image upload, a V3 dynamic combo and an autogrow input).
+# ---------------------------------------------------------------------------------------------
+
+MINI_OI = {
+    "UNETLoader": {"input": {"required": {"unet_name": [["tiny.safetensors"]],
+                                          "weight_dtype": [["default", "fp8_e4m3fn"]]}},
+                   "input_order": {"required": ["unet_name", "weight_dtype"]},
+                   "output": ["MODEL"], "output_name": ["MODEL"], "output_node": False},
+    "LoadImage": {"input": {"required": {"image": [["a.png", "b.png"], {"image_upload": True}]}},
+                  "output": ["IMAGE", "MASK"], "output_node": False},
+    "EmptyLatent": {"input": {"required": {"width": ["INT", {"default": 64, "min": 16, "max": 4096}],
+                                           "height": ["INT", {"default": 64, "min": 16, "max": 4096}]}},
+                    "output": ["LATENT"], "output_node": False},
+    "KSampler": {"input": {"required": {
+        "model": ["MODEL", {}],
+        "seed": ["INT", {"default": 0, "min": 0, "max": 2 ** 64 - 1, "control_after_generate": True}],
+        "steps": ["INT", {"default": 20, "min": 1, "max": 10000}],
+        "cfg": ["FLOAT", {"default": 8.0, "min": 0.0, "max": 100.0}],
+        "sampler_name": ["COMBO", {"options": ["euler", "dpmpp_2m"]}],
+        "latent_image": ["LATENT", {}],
+        "denoise": ["FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0}]}},
+        "input_order": {"required": ["model", "seed", "steps", "cfg", "sampler_name", "latent_image", "denoise"]},
+        "output": ["LATENT"], "output_node": False},
+    "ModelPatch": {"input": {"required": {"model": ["MODEL", {}], "strength": ["FLOAT", {"default": 1.0}]}},
+                   "output": ["MODEL"], "output_node": False},
+    "SaveLatent": {"input": {"required": {"samples": ["LATENT", {}],
+                                          "filename_prefix": ["STRING", {"default": "latents/x"}]},
+                             "hidden": {"prompt": "PROMPT"}},
+                   "output": [], "output_node": True},
+    "SaveVideo": {"input": {"required": {
+        "video": ["IMAGE", {}],
+        "format": ["COMFY_DYNAMICCOMBO_V3", {"options": [
+            {"key": "auto", "inputs": {"required": {}}},
+            {"key": "mp4", "inputs": {"required": {"crf": ["FLOAT", {"default": 23.0, "min": 0, "max": 51}]}}}]}],
+        "fps": ["FLOAT", {"default": 24.0}]}},
+        "input_order": {"required": ["video", "format", "fps"]}, "output": [], "output_node": True},
+    "Batch": {"input": {"required": {"images": ["COMFY_AUTOGROW_V3", {"template": {
+        "input": {"required": {"image": ["IMAGE", {}]}}, "prefix": "image", "min": 1, "max": 5}}]}},
+        "output": ["IMAGE"], "output_node": False},
+    "LeversRecommend": {"input": {"required": {"width": ["INT", {"default": 1024, "min": 64, "max": 8192}]},
+                                  "optional": {"model": ["MODEL", {}]}},
+                        "output": ["LEVERS_PLAN", "STRING"], "output_node": True},
+}
+
+
+def _node(id_, type_, inputs=(), outputs=(), widgets=None, mode=0, title=None):
+    node = {"id": id_, "type": type_, "pos": [0, 0], "size": [300, 100], "flags": {}, "order": 0,
+            "mode": mode, "inputs": list(inputs), "outputs": list(outputs), "properties": {}}
+    if widgets is not None:
+        node["widgets_values"] = widgets
+    if title:
+        node["title"] = title
+    return node
+
+
+def _ui_graph():
+    """Loader -> Reroute -> (bypassed ModelPatch) -> KSampler -> SaveLatent, a PrimitiveNode feeding
+    steps, a muted extra SaveLatent, a Note, and a LoadImage with its upload-button value."""
+    links = [
+        [1, 1, 0, 2, 0, "MODEL"],      # UNETLoader -> Reroute
+        [2, 2, 0, 3, 0, "MODEL"],      # Reroute -> ModelPatch (bypassed)
+        [3, 3, 0, 4, 0, "MODEL"],      # ModelPatch -> KSampler.model
+        [4, 5, 0, 4, 5, "LATENT"],     # EmptyLatent -> KSampler.latent_image
+        [5, 6, 0, 4, 2, "INT"],        # PrimitiveNode -> KSampler.steps (converted widget)
+        [6, 4, 0, 7, 0, "LATENT"],     # KSampler -> SaveLatent
+        [7, 4, 0, 8, 0, "LATENT"],     # KSampler -> muted SaveLatent
+    ]
+    nodes = [
+        _node(1, "UNETLoader", outputs=[{"name": "MODEL", "type": "MODEL", "links": [1], "slot_index": 0}],
+              widgets=["tiny.safetensors", "default"]),
+        _node(2, "Reroute", inputs=[{"name": "", "type": "*", "link": 1}],
+              outputs=[{"name": "", "type": "MODEL", "links": [2]}]),
+        _node(3, "ModelPatch", mode=C.MODE_BYPASS, inputs=[{"name": "model", "type": "MODEL", "link": 2}],
+              outputs=[{"name": "MODEL", "type": "MODEL", "links": [3]}], widgets=[0.5]),
+        _node(4, "KSampler", title="Sampler", inputs=[
+            {"name": "model", "type": "MODEL", "link": 3},
+            {"name": "latent_image", "type": "LATENT", "link": 4},
+            {"name": "steps", "type": "INT", "link": 5, "widget": {"name": "steps"}}],
+            outputs=[{"name": "LATENT", "type": "LATENT", "links": [6, 7]}],
+            widgets=[42, "randomize", 20, 3.5, "euler", 0.75]),
+        _node(5, "EmptyLatent", outputs=[{"name": "LATENT", "type": "LATENT", "links": [4]}], widgets=[128, 96]),
+        _node(6, "PrimitiveNode", outputs=[{"name": "INT", "type": "INT", "links": [5],
+                                            "widget": {"name": "steps"}}], widgets=[7, "fixed"]),
+        _node(7, "SaveLatent", inputs=[{"name": "samples", "type": "LATENT", "link": 6}], widgets=["latents/out"]),
+        _node(8, "SaveLatent", mode=C.MODE_NEVER, inputs=[{"name": "samples", "type": "LATENT", "link": 7}],
+              widgets=["latents/muted"]),
+        _node(9, "Note", widgets=["explains the plan"]),
+        _node(10, "LoadImage", outputs=[{"name": "IMAGE", "type": "IMAGE", "links": []}], widgets=["b.png", "image"]),
+    ]
+    return {"last_node_id": 10, "last_link_id": 7, "nodes": nodes, "links": links, "groups": [],
+            "config": {}, "extra": {}, "version": 0.4}
+
+
+# ---------------------------------------------------------------------------------------------
+# UI -> API
+# ---------------------------------------------------------------------------------------------
+
+def test_ui_to_api_maps_widgets_links_and_frontend_only_nodes():
+    api = C.ui_to_api(_ui_graph(), MINI_OI)
+    assert set(api) == {"1", "4", "5", "7", "10"}  # no Reroute/Primitive/Note/bypassed/muted nodes
+    assert api["1"]["inputs"] == {"unet_name": "tiny.safetensors", "weight_dtype": "default"}
+    sampler = api["4"]
+    assert sampler["class_type"] == "KSampler" and sampler["_meta"]["title"] == "Sampler"
+    # seed's "randomize" control value is skipped; steps comes from the PrimitiveNode, not the stale 20
+    assert sampler["inputs"] == {"model": ["1", 0], "seed": 42, "steps": 7, "cfg": 3.5, "sampler_name": "euler",
+                                 "latent_image": ["5", 0], "denoise": 0.75}
+    assert api["5"]["inputs"] == {"width": 128, "height": 96}
+    assert api["7"]["inputs"] == {"samples": ["4", 0], "filename_prefix": "latents/out"}
+    assert api["10"]["inputs"] == {"image": "b.png"}  # the upload button's "image" value is not an input
+    assert C.validate_api(api, MINI_OI) == []
+
+
+def test_ui_to_api_accepts_object_links_and_dict_widget_values():
+    ui = _ui_graph()
+    ui["links"] = [dict(zip(("id", "origin_id", "origin_slot", "target_id", "target_slot", "type"), link))
+                   for link in ui["links"]]
+    ui["nodes"][4]["widgets_values"] = {"width": 256, "height": 64}
+    api = C.ui_to_api(ui, MINI_OI)
+    assert api["5"]["inputs"] == {"width": 256, "height": 64}
+    assert api["4"]["inputs"]["model"] == ["1", 0]
+
+
+def test_ui_to_api_expands_dynamic_combo_and_autogrow():
+    ui = {"nodes": [
+        _node(1, "LoadImage", outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1, 2]}], widgets=["a.png"]),
+        _node(2, "Batch", inputs=[{"name": "images.image0", "type": "IMAGE", "link": 1},
+                                  {"name": "images.image1", "type": "IMAGE", "link": 2},
+                                  {"name": "images.image2", "type": "IMAGE", "link": None}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [3]}]),
+        _node(3, "SaveVideo", inputs=[{"name": "video", "type": "IMAGE", "link": 3}], widgets=["mp4", 18.0, 12.0]),
+    ], "links": [[1, 1, 0, 2, 0, "IMAGE"], [2, 1, 0, 2, 1, "IMAGE"], [3, 2, 0, 3, 0, "IMAGE"]]}
+    api = C.ui_to_api(ui, MINI_OI)
+    assert api["2"]["inputs"] == {"images.image0": ["1", 0], "images.image1": ["1", 0]}
+    assert api["3"]["inputs"] == {"video": ["2", 0], "format": "mp4", "format.crf": 18.0, "fps": 12.0}
+    assert C.validate_api(api, MINI_OI) == []
+    api["3"]["inputs"]["format.crf"] = 99.0
+    assert any("format.crf" in p and "maximum" in p for p in C.validate_api(api, MINI_OI))
+
+
+def test_ui_to_api_reports_uninstalled_nodes_and_subgraphs():
+    ui = _ui_graph()
+    ui["nodes"][0]["type"] = "SomeCustomLoader"
+    ui["definitions"] = {"subgraphs": [{"id": "abc-123"}]}
+    ui["nodes"].append(_node(11, "abc-123", inputs=[{"name": "x", "type": "LATENT", "link": None}]))
+    with pytest.raises(C.WorkflowError) as err:
+        C.ui_to_api(ui, MINI_OI)
+    text = str(err.value)
+    assert "SomeCustomLoader" in text and "not installed" in text
+    assert "subgraph" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# validate_api
+# ---------------------------------------------------------------------------------------------
+
+def _valid_api():
+    return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny.safetensors", "weight_dtype": "default"}},
+            "2": {"class_type": "EmptyLatent", "inputs": {"width": 64, "height": 64}},
+            "3": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 1, "steps": 2, "cfg": 1.0,
+                                                       "sampler_name": "euler", "latent_image": ["2", 0],
+                                                       "denoise": 1.0}, "_meta": {"title": "Sampler"}},
+            "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "x"}}}
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda a: a["3"].__setitem__("class_type", "Nope"), "not installed"),
+    (lambda a: a["3"]["inputs"].__setitem__("stepz", 3), "unknown input 'stepz'"),
+    (lambda a: a["3"]["inputs"].pop("steps"), "required input 'steps'"),
+    (lambda a: a["3"]["inputs"].__setitem__("steps", "many"), "expects an integer"),
+    (lambda a: a["3"]["inputs"].__setitem__("steps", 2.5), "expects an integer"),
+    (lambda a: a["3"]["inputs"].__setitem__("cfg", True), "expects a number"),
+    (lambda a: a["3"]["inputs"].__setitem__("denoise", 1.5), "above its maximum 1.0"),
+    (lambda a: a["3"]["inputs"].__setitem__("sampler_name", "eulr"), "not one of: 'euler'"),
+    (lambda a: a["1"]["inputs"].__setitem__("unet_name", "flux1-dev.safetensors"), "file missing"),
+    (lambda a: a["3"]["inputs"].__setitem__("model", ["9", 0]), "not in the prompt"),
+    (lambda a: a["3"]["inputs"].__setitem__("model", ["1", 3]), "has 1 output"),
+    (lambda a: a["3"]["inputs"].__setitem__("model", ["2", 0]), "expects MODEL but node 2 (EmptyLatent) output 0 is LATENT"),
+    (lambda a: a["3"]["inputs"].__setitem__("model", "tiny.safetensors"), "takes a link"),
+    (lambda a: a.pop("4"), "no output node"),
+])
+def test_validate_api_reports_each_kind_of_problem(mutate, expected):
+    api = _valid_api()
+    assert C.validate_api(api, MINI_OI) == []
+    mutate(api)
+    problems = C.validate_api(api, MINI_OI)
+    assert any(expected in p for p in problems), problems
+
+
+def test_validate_api_can_allow_missing_model_files_only():
+    api = _valid_api()
+    api["1"]["inputs"]["unet_name"] = "flux1-dev.safetensors"
+    assert C.validate_api(api, MINI_OI, allow_missing_files=True) == []
+    api["3"]["inputs"]["sampler_name"] = "eulr"
+    assert len(C.validate_api(api, MINI_OI, allow_missing_files=True)) == 1
+
+
+def test_validate_api_accepts_strings_comfyui_would_convert_and_any_type():
+    api = _valid_api()
+    api["3"]["inputs"]["steps"] = "4"
+    oi = copy.deepcopy(MINI_OI)
+    oi["ModelPatch"]["input"]["required"]["model"] = ["*", {}]
+    api["5"] = {"class_type": "ModelPatch", "inputs": {"model": ["2", 0], "strength": 1}}
+    assert C.validate_api(api, oi) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# --set
+# ---------------------------------------------------------------------------------------------
+
+def test_parse_set_splits_on_last_dot_before_first_equals():
+    a = C.parse_set("My.Sampler.steps=a=b")
+    assert (a.node, a.input, a.raw) == ("My.Sampler", "steps", "a=b")
+    for bad in ("steps=3", "3.steps", ".steps=3", "3.=4"):
+        with pytest.raises(C.WorkflowError, match="NODE.INPUT=VALUE"):
+            C.parse_set(bad)
+
+
+def test_apply_sets_coerces_by_input_type_and_finds_nodes_by_id_title_or_class():
+    api = _valid_api()
+    sets = [C.parse_set(s) for s in ("3.seed=18446744073709551615", "Sampler.cfg=2.5", "sampler.sampler_name=dpmpp_2m",
+                                     "SaveLatent.filename_prefix=007", "EmptyLatent.width=128.0")]
+    out = C.apply_sets(api, sets, MINI_OI)
+    assert out["3"]["inputs"]["seed"] == 2 ** 64 - 1 and isinstance(out["3"]["inputs"]["seed"], int)
+    assert out["3"]["inputs"]["cfg"] == 2.5
+    assert out["3"]["inputs"]["sampler_name"] == "dpmpp_2m"
+    assert out["4"]["inputs"]["filename_prefix"] == "007"  # STRING stays text
+    assert out["2"]["inputs"]["width"] == 128 and isinstance(out["2"]["inputs"]["width"], int)
+    assert api["3"]["inputs"]["seed"] == 1  # the input prompt is not modified
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("9.steps=3", "no node '9'"),
+    ("3.stepz=3", "has no input 'stepz'"),
+    ("3.model=1", "link input"),
+    ("3.steps=lots", "expects an integer"),
+    ("3.steps=0", "below its minimum 1"),
+    ("3.sampler_name=eulr", "not one of"),
+    ("3.denoise=x", "expects a number"),
+])
+def test_apply_sets_rejects_bad_targets_and_values(text, expected):
+    with pytest.raises(C.WorkflowError, match=expected):
+        C.apply_sets(_valid_api(), [C.parse_set(text)], MINI_OI)
+
+
+def test_apply_sets_refuses_ambiguous_titles():
+    api = _valid_api()
+    api["5"] = copy.deepcopy(api["4"])
+    with pytest.raises(C.WorkflowError, match="matches nodes 4, 5"):
+        C.apply_sets(api, [C.parse_set("SaveLatent.filename_prefix=y")], MINI_OI)
+
+
+# ---------------------------------------------------------------------------------------------
+# The websocket framing, over a socket pair
+# ---------------------------------------------------------------------------------------------
+
+def _frame(opcode, payload: bytes, fin=True) -> bytes:
+    n = len(payload)
+    head = bytes([(0x80 if fin else 0) | opcode])
+    if n < 126:
+        head += bytes([n])
+    elif n < 65536:
+        head += bytes([126]) + struct.pack(">H", n)
+    else:
+        head += bytes([127]) + struct.pack(">Q", n)
+    return head + payload
+
+
+def _unmask_client_frame(data: bytes) -> tuple[int, bytes]:
+    assert data[1] & 0x80, "client frames must be masked"
+    n = data[1] & 0x7F
+    mask, body = data[2:6], data[6:6 + n]
+    return data[0] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(body))
+
+
+def test_websocket_reassembles_fragments_answers_pings_and_reads_long_frames():
+    a, b = socket.socketpair()
+    ws = C.WebSocket(a)
+    big = json.dumps({"type": "x", "data": "y" * 70000}).encode()
+    b.sendall(_frame(0x1, b'{"type": "par', fin=False) + _frame(0x9, b"hi") + _frame(0x0, b't"}')
+              + _frame(0x2, b"\x00\x01binary") + _frame(0x1, big))
+    assert ws.recv(timeout=2) == (0x1, b'{"type": "part"}')
+    assert _unmask_client_frame(b.recv(100)) == (0xA, b"hi")  # pong echoes the ping
+    assert ws.recv(timeout=2) == (0x2, b"\x00\x01binary")
+    assert ws.recv(timeout=2) == (0x1, big)
+    assert ws.recv(timeout=0.05) is None  # timeout, nothing pending
+    b.sendall(_frame(0x8, b""))
+    with pytest.raises(C.WebSocketClosed):
+        ws.recv(timeout=2)
+    a.close()
+    b.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A fake ComfyUI for end-to-end `levers run`
+# ---------------------------------------------------------------------------------------------
+
+class FakeComfy:
+    """Scripted ComfyUI: behaviour per test via ``mode`` ("ok", "error", "reject", "hang")."""
+
+    def __init__(self, object_info, websocket=True):
+        self.object_info = object_info
+        self.websocket = websocket
+        self.mode = "ok"
+        self.prompts: list[dict] = []
+        self.history: dict[str, dict] = {}
+        self.files: dict[tuple, bytes] = {}
+        self.interrupts: list[dict] = []
+        self.clients: dict[str, queue.Queue] = {}
+        self.ws_connected = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        for q in self.clients.values():
+            q.put(None)
+        self.server.shutdown()
+        self.server.server_close()
+
+    def send(self, client_id, kind, data):
+        q = self.clients.get(client_id)
+        if q is not None:
+            q.put(("text", json.dumps({"type": kind, "data": data}).encode()))
+
+    def execute(self, prompt_id, prompt, client_id):
+        """Run the prompt the way ComfyUI reports it: messages first, history slightly later."""
+        self.send(client_id, "execution_start", {"prompt_id": prompt_id})
+        ids = sorted(prompt, key=int)
+        self.send(client_id, "execution_cached", {"nodes": ids[:1], "prompt_id": prompt_id})
+        q = self.clients.get(client_id)
+        if q is not None:
+            q.put(("ping", b"keepalive"))
+            q.put(("binary", b"\x00\x00\x00\x01preview-bytes"))
+        outputs, messages = {}, [["execution_start", {"prompt_id": prompt_id}]]
+        for node_id in ids[1:]:
+            node = prompt[node_id]
+            self.send(client_id, "executing", {"node": node_id, "display_node": node_id, "prompt_id": prompt_id})
+            if node["class_type"] == "KSampler":
+                for step in range(1, 5):
+                    self.send(client_id, "progress", {"value": step, "max": 4, "node": node_id,
+                                                      "prompt_id": prompt_id})
+                if self.mode == "error":
+                    err = {"prompt_id": prompt_id, "node_id": node_id, "node_type": "KSampler",
+                           "exception_type": "torch.OutOfMemoryError",
+                           "exception_message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+                           "traceback": ["Traceback...\n", "  File x\n", "torch.OutOfMemoryError: CUDA out of memory\n"]}
+                    messages.append(["execution_error", err])
+                    self.send(client_id, "execution_error", err)
+                    self.history[prompt_id] = {"prompt": [0, prompt_id, prompt, {}, []], "outputs": outputs,
+                                               "status": {"status_str": "error", "completed": False,
+                                                          "messages": messages}}
+                    return
+            if node["class_type"] == "SaveLatent":
+                name = f"{node['inputs']['filename_prefix']}_00001_.latent"
+                sub, _, base = name.rpartition("/")
+                self.files[(base, sub, "output")] = b"LATENT:" + name.encode()
+                ui = {"latents": [{"filename": base, "subfolder": sub, "type": "output"}]}
+                outputs[node_id] = ui
+                self.send(client_id, "executed", {"node": node_id, "output": ui, "prompt_id": prompt_id})
+            if node["class_type"] == "LeversRecommend":
+                ui = {"text": ["Plan: fp8 weights, phase offload; peak 11.2 GiB of 16 GiB"]}
+                outputs[node_id] = ui
+                self.send(client_id, "executed", {"node": node_id, "output": ui, "prompt_id": prompt_id})
+        messages.append(["execution_success", {"prompt_id": prompt_id}])
+        self.send(client_id, "execution_success", {"prompt_id": prompt_id})
+        self.send(client_id, "executing", {"node": None, "prompt_id": prompt_id})
+        # ComfyUI files the history entry after the messages went out.
+        threading.Timer(0.2, lambda: self.history.__setitem__(prompt_id, {
+            "prompt": [0, prompt_id, prompt, {}, []], "outputs": outputs,
+            "status": {"status_str": "success", "completed": True, "messages": messages}})).start()
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _json(self, obj, status=200):
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                url = urllib.parse.urlsplit(self.path)
+                query = urllib.parse.parse_qs(url.query)
+                if url.path == "/object_info":
+                    return self._json(fake.object_info)
+                if url.path.startswith("/history/"):
+                    pid = url.path.rsplit("/", 1)[1]
+                    return self._json({pid: fake.history[pid]} if pid in fake.history else {})
+                if url.path == "/view":
+                    key = (query["filename"][0], query.get("subfolder", [""])[0], query["type"][0])
+                    if key not in fake.files:
+                        return self._json({"error": "no such file"}, 404)
+                    body = fake.files[key]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return None
+                if url.path == "/ws" and fake.websocket:
+                    return self._websocket(query["clientId"][0])
+                return self._json({"error": "not found"}, 404)
+
+            def _websocket(self, client_id):
+                key = self.headers["Sec-WebSocket-Key"]
+                accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
+                                                       .encode()).digest()).decode()
+                self.send_response(101)
+                self.send_header("Upgrade", "websocket")
+                self.send_header("Connection", "Upgrade")
+                self.send_header("Sec-WebSocket-Accept", accept)
+                self.end_headers()
+                self.wfile.flush()
+                q = fake.clients.setdefault(client_id, queue.Queue())
+                q.put(("text", json.dumps({"type": "status", "data": {"sid": client_id}}).encode()))
+                fake.ws_connected.set()
+                while True:
+                    item = q.get()
+                    if item is None:
+                        return
+                    kind, payload = item
+                    opcode = {"text": 0x1, "binary": 0x2, "ping": 0x9}[kind]
+                    try:
+                        self.wfile.write(_frame(opcode, payload))
+                        self.wfile.flush()
+                    except OSError:
+                        return
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path == "/interrupt":
+                    fake.interrupts.append(body)
+                    return self._json({})
+                if self.path != "/prompt":
+                    return self._json({"error": "not found"}, 404)
+                fake.prompts.append(body)
+                if fake.mode == "reject":
+                    return self._json({"error": {"type": "prompt_outputs_failed_validation",
+                                                 "message": "Prompt outputs failed validation", "details": ""},
+                                       "node_errors": {"1": {"errors": [{
+                                           "type": "value_not_in_list", "message": "Value not in list",
+                                           "details": "unet_name: 'tiny.safetensors' not in []"}],
+                                           "class_type": "UNETLoader"}}}, 400)
+                pid = str(uuid.uuid4())
+                if fake.mode != "hang":
+                    threading.Thread(target=fake.execute, args=(pid, body["prompt"], body.get("client_id")),
+                                     daemon=True).start()
+                return self._json({"prompt_id": pid, "number": len(fake.prompts), "node_errors": {}})
+
+        return Handler
+
+
+def _cli(argv) -> int:
+    parser = argparse.ArgumentParser(prog="levers")
+    C.register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def api_file(tmp_path):
+    api = _valid_api()
+    api["5"] = {"class_type": "LeversRecommend", "inputs": {"width": 1024, "model": ["1", 0]},
+                "_meta": {"title": "Recommend"}}
+    path = tmp_path / "wf_api.json"
+    path.write_text(json.dumps(api))
+    return path
+
+
+def test_levers_run_success_streams_progress_downloads_outputs_and_prints_reports(api_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--out", str(out), "--set", "Sampler.steps=3",
+                   "--set", "4.filename_prefix=latents/run"])
+    assert rc == C.EXIT_OK
+    captured = capsys.readouterr()
+    assert fake.prompts[0]["prompt"]["3"]["inputs"]["steps"] == 3
+    assert fake.prompts[0]["client_id"]  # progress is routed to this client
+    assert (out / "latents" / "run_00001_.latent").read_bytes() == b"LATENT:latents/run_00001_.latent"
+    assert "#3 Sampler" in captured.err and "4/4 100%" in captured.err
+    assert "cached: 1 node(s)" in captured.err
+    assert "Levers report: #5 Recommend" in captured.out and "peak 11.2 GiB" in captured.out
+
+
+def test_levers_run_converts_ui_workflows_with_the_servers_object_info(tmp_path, capsys):
+    path = tmp_path / "wf_ui.json"
+    path.write_text(json.dumps(_ui_graph()))
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(path), "--server", fake.url, "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == C.EXIT_OK, capsys.readouterr().err
+    sent = fake.prompts[0]["prompt"]
+    assert sent == C.ui_to_api(_ui_graph(), MINI_OI)
+    assert sent["4"]["inputs"]["steps"] == 7
+
+
+def test_levers_run_falls_back_to_polling_history_without_websocket(api_file, tmp_path, capsys):
+    with FakeComfy(MINI_OI, websocket=False) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--out", str(tmp_path / "o"), "--json"])
+    assert rc == C.EXIT_OK
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["status"] == "success" and len(summary["files"]) == 1
+    assert list(summary["reports"]) == ["#5 Recommend"]
+
+
+def test_levers_run_exits_1_with_comfyuis_execution_error(api_file, tmp_path, capsys):
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "error"
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--out", str(tmp_path / "o")])
+    assert rc == C.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "execution failed at node 3 (KSampler)" in err
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB" in err
+
+
+def test_levers_run_exits_1_with_the_servers_validation_errors(api_file, capsys):
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "reject"
+        rc = _cli(["run", str(api_file), "--server", fake.url])
+    assert rc == C.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "Prompt outputs failed validation" in err
+    assert "node 1 (UNETLoader): Value not in list: unet_name" in err
+
+
+def test_levers_run_rejects_invalid_workflows_before_submitting(api_file, tmp_path, capsys):
+    bad = json.loads(api_file.read_text())
+    bad["3"]["inputs"]["sampler_name"] = "eulr"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(path), "--server", fake.url]) == C.EXIT_INVALID
+        assert _cli(["run", str(api_file), "--server", fake.url, "--set", "Sampler.stepz=3"]) == C.EXIT_INVALID
+        assert _cli(["run", str(tmp_path / "missing.json"), "--server", fake.url]) == C.EXIT_INVALID
+        (tmp_path / "broken.json").write_text("{not json")
+        assert _cli(["run", str(tmp_path / "broken.json"), "--server", fake.url]) == C.EXIT_INVALID
+    assert fake.prompts == []  # nothing reached /prompt
+    err = capsys.readouterr().err
+    assert "'eulr' is not one of" in err and "has no input 'stepz'" in err and "not valid JSON" in err
+
+
+def test_levers_run_reports_an_unreachable_server(api_file, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _cli(["run", str(api_file), "--server", f"127.0.0.1:{port}"]) == C.EXIT_UNREACHABLE
+    assert "cannot reach ComfyUI at http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_levers_run_times_out_with_exit_124(api_file, capsys):
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "hang"
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--timeout", "0.5"])
+    assert rc == C.EXIT_TIMEOUT
+    assert "still running after 0.5 s" in capsys.readouterr().err
+
+
+def test_levers_run_dry_run_prints_the_prompt_without_submitting(api_file, capsys):
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--dry-run", "--set", "3.seed=5"])
+    assert rc == C.EXIT_OK and fake.prompts == []
+    assert json.loads(capsys.readouterr().out)["3"]["inputs"]["seed"] == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped example workflows
+# ---------------------------------------------------------------------------------------------
+
+def _shipped():
+    return sorted((ROOT / "example_workflows").glob("*.json"))
+
+
+def test_examples_are_shipped_in_both_formats():
+    ui = {p.stem for p in _shipped()}
+    api = {p.stem for p in (ROOT / "example_workflows" / "api").glob("*.json")}
+    assert len(ui) >= 4 and ui == api
+
+
+@pytest.mark.parametrize("path", _shipped(), ids=lambda p: p.stem)
+def test_shipped_workflow_converts_to_its_shipped_api_form(path):
+    """The UI graph and its API twin agree under the recorded /object_info, and validate."""
+    object_info = json.loads(FIXTURE_OI.read_text())
+    ui = json.loads(path.read_text())
+    api = C.ui_to_api(ui, object_info)
+    assert api == json.loads((path.parent / "api" / path.name).read_text())
+    assert C.validate_api(api, object_info, allow_missing_files=True) == []
+    notes = [n for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote")]
+    assert notes and len(notes[0]["widgets_values"][0]) > 200  # the plan is explained on the graph
+    assert any(n["type"].startswith("Levers") for n in ui["nodes"])
