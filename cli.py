@@ -1,0 +1,116 @@
+"""`levers` command line: recommend | demo | quantize | run | bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from .core.errors import LeversError
+
+# Subcommands provided by other modules, each exposing register_cli(subparsers).
+_PLUGGED = ("comfyui_levers.core.quant.cli", "comfyui_levers.core.client", "comfyui_levers.core.benchmark")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _add_recommend(sub) -> None:
+    from .core.presets import PRESETS
+
+    p = sub.add_parser("recommend", help="plan precision, placement and residency for a model on this (or a given) machine",
+                       description="Without overrides, probes this machine (VRAM, host RAM, host->GPU bandwidth, libraries).")
+    p.add_argument("--model", default="flux1-dev", help="preset: " + ", ".join(PRESETS))
+    p.add_argument("--width", type=_positive_int)
+    p.add_argument("--height", type=_positive_int)
+    p.add_argument("--frames", type=_positive_int, help="video frames (video models)")
+    p.add_argument("--steps", type=_positive_int)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--no-cfg", action="store_true", help="no negative prompt (one DiT pass per step)")
+    p.add_argument("--vram-gb", type=float, help="plan for a card with this much memory (GiB); 0 plans for the CPU")
+    p.add_argument("--ram-gb", type=float, help="host RAM available (GiB)")
+    p.add_argument("--h2d-gbps", type=float, help="host->GPU bandwidth (GB/s) instead of measuring")
+    p.add_argument("--goal", default="balanced", choices=["fit", "balanced", "quality", "speed"])
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_run_recommend)
+
+
+def _run_recommend(args) -> int:
+    from .core.plan import Workload, plan
+    from .core.presets import get_preset
+    from .core.probe import probe, synthetic_machine
+    from .core.report import format_plan
+
+    spec = get_preset(args.model)
+    wl = Workload(width=args.width or spec.default_width, height=args.height or spec.default_height,
+                  frames=args.frames or spec.default_frames, steps=args.steps or spec.default_steps,
+                  batch=args.batch, cfg=not args.no_cfg)
+    if args.vram_gb is None and args.ram_gb is None and args.h2d_gbps is None:
+        machine = probe()
+    else:
+        machine = synthetic_machine(args.vram_gb, args.ram_gb, args.h2d_gbps)
+    result = plan(spec, wl, machine, args.goal)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(format_plan(result, machine))
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="run a tiny random-weight DiT + VAE pipeline with the plan's levers (no downloads)")
+    p.add_argument("--steps", type=_positive_int, default=4)
+    p.add_argument("--size", type=_positive_int, default=256, help="image size in pixels")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args) -> int:
+    from .core.demo import run_demo
+
+    report = run_demo(steps=args.steps, size=args.size)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="levers", description="Fit big diffusion transformers on the GPU you have.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_recommend(sub)
+    _add_demo(sub)
+    for mod in _PLUGGED:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name == mod:
+                continue  # that subcommand is not part of this build
+            raise
+        module.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (LeversError, ValueError) as exc:
+        print(f"levers {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"levers {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

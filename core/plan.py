@@ -1,0 +1,505 @@
+"""Recommend's planner: the memory budget and offload-cost model of seeds 000-002 as pure functions.
+
+``plan(spec, workload, machine, goal)`` enumerates per-component choices (precision, device,
+residency, tiling), predicts each combination's peak VRAM and extra seconds, and picks one by
+the user's goal. Lossless levers come before lossy ones (seed 001's order).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .plan_types import ComponentPlan, Plan, Streaming, Tiling
+from .presets import ModelSpec
+from .probe import CPU_TFLOPS, GiB, Machine
+from .types import Component, Goal, Precision, Residency
+
+OVERHEAD_BYTES = int(1.5 * GiB)     # CUDA context + allocator fragmentation (seed 000: 1-2 GB)
+EFFICIENCY = 0.45                   # achieved fraction of dense bf16 peak in eager mode (seed 001)
+FP8_GEMM_SPEEDUP = 1.6              # fp8 tensor cores on the linear part (2x peak, minus scaling work)
+NF4_SLOWDOWN = 1.25                 # dequantize-then-bf16 (seed 000: 0.6-0.9x speed)
+INT8_SLOWDOWN = 1.1
+STREAM_HEADROOM = 0.92              # leave room in the budget when sizing streamed groups
+LOSS_RANK = {Precision.FP32: 0, Precision.BF16: 0, Precision.FP16: 0, Precision.FP8_E4M3FN: 1,
+             Precision.INT8: 1, Precision.NF4: 3}
+
+
+@dataclass(frozen=True)
+class Workload:
+    width: int
+    height: int
+    frames: int = 1
+    steps: int = 28
+    batch: int = 1
+    cfg: bool = True    # a negative prompt doubles the DiT batch (unless guidance-distilled)
+
+    def validate(self) -> "Workload":
+        for name in ("width", "height", "frames", "steps", "batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(name, v, "a positive integer")
+        if self.width % 8 or self.height % 8:
+            raise ConfigError("width/height", (self.width, self.height), "multiples of 8",
+                              "Latents are 1/8 of the image size; round to a multiple of 8 (e.g. 1024).")
+        return self
+
+
+# --- sizing -------------------------------------------------------------------------------------
+
+def bytes_per_param(precision: Precision) -> float:
+    return {Precision.FP32: 4, Precision.BF16: 2, Precision.FP16: 2, Precision.FP8_E4M3FN: 1,
+            Precision.INT8: 1, Precision.NF4: 0.5 + 4 / 64}[precision]   # nf4: 4 bits + fp32 absmax per 64
+
+
+def dit_weight_bytes(spec: ModelSpec, precision: Precision) -> int:
+    """Diffusion-model bytes at ``precision``: the census keeps embedders/final layer (and for nf4 the
+    modulation linears) in 16-bit; fp8/int8 carry one fp32 scale per output row."""
+    if not precision.is_quantized:
+        return int(spec.dit_params * bytes_per_param(precision))
+    kept = spec.dit_kept_params_4bit if precision is Precision.NF4 else spec.dit_kept_params
+    quantized = spec.dit_params - kept
+    scales = 4 * quantized / spec.hidden if precision is not Precision.NF4 else 0
+    return int(quantized * bytes_per_param(precision) + kept * 2 + scales)
+
+
+def activation_bytes(spec: ModelSpec, wl: Workload) -> int:
+    """One denoising pass's live activations (seed 000): tokens x (d + 3d + 4d) x 2 B, two copies in flight.
+
+    One pass, not cond + uncond: ComfyUI splits the CFG batch into separate passes when memory is short."""
+    n = spec.tokens(wl.width, wl.height, wl.frames)
+    per_layer = n * 8 * spec.hidden * 2
+    return int(per_layer * 2 * wl.batch)
+
+
+def dit_passes(spec: ModelSpec, wl: Workload) -> int:
+    """Sequences per DiT call: cond + uncond are batched together unless the model is guidance-distilled."""
+    return 1 if (spec.guidance_distilled or not wl.cfg) else 2
+
+
+def te_activation_bytes(spec: ModelSpec) -> int:
+    return int(spec.text_tokens * spec.te_hidden * 2 * 16)
+
+
+def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, overlap_px: int = 0,
+                     frames: int | None = None) -> int:
+    """Decode activation peak for one sample (ComfyUI decodes a batch in slices)."""
+    if tile_px is None:
+        px = wl.width * wl.height
+    else:
+        px = min(wl.width, tile_px + 2 * overlap_px) * min(wl.height, tile_px + 2 * overlap_px)
+    f = (frames if frames is not None else wl.frames) if spec.is_video else 1
+    return int(px * f * spec.vae_bytes_per_px)
+
+
+def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one step. Modulation linears see one token, so they are left out."""
+    n = spec.tokens(wl.width, wl.height, wl.frames)
+    tokenwise = spec.dit_params - (spec.dit_kept_params_4bit - spec.dit_kept_params)
+    mult = wl.batch * dit_passes(spec, wl)
+    return 2 * tokenwise * n * mult, 4 * spec.n_blocks * n * n * spec.hidden * mult
+
+
+def compute_seconds_per_step(spec: ModelSpec, wl: Workload, machine: Machine, precision: Precision,
+                             fp8_compute: bool) -> float:
+    lin, attn = step_flops(spec, wl)
+    tflops = machine.gpu.tflops if machine.gpu else CPU_TFLOPS
+    rate = tflops * 1e12 * EFFICIENCY
+    if precision is Precision.FP8_E4M3FN:
+        lin = lin / FP8_GEMM_SPEEDUP if fp8_compute else lin * 1.05
+    elif precision is Precision.NF4:
+        lin *= NF4_SLOWDOWN
+    elif precision is Precision.INT8:
+        lin *= INT8_SLOWDOWN
+    return (lin + attn) / rate
+
+
+# --- options ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _DitOption:
+    precision: Precision
+    residency: Residency
+    weight_bytes: int
+    resident_bytes: int
+    streaming: Streaming | None
+    extra_seconds_per_gen: float     # streaming cost (phase moves are added later)
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class _TeOption:
+    precision: Precision
+    device: str
+    residency: Residency
+    weight_bytes: int
+    gpu_bytes: int                   # bytes on the main GPU during encode
+    extra_seconds: float
+    loss: float
+    note: str = ""
+
+
+def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
+    gpu = machine.gpu
+    ladder = [Precision.BF16 if (gpu is None or gpu.bf16) else Precision.FP16]
+    libs = machine.libraries
+    for p, lib in ((Precision.FP8_E4M3FN, "fp8_storage"), (Precision.INT8, "torchao"), (Precision.NF4, "bitsandbytes")):
+        cap = libs.get(lib)
+        if cap is None or cap.ok:
+            ladder.append(p)
+        else:
+            notes.append(f"{p} not considered: {cap.reason}")
+    return ladder
+
+
+def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: Workload, machine: Machine,
+                   step_seconds: float, pinned: bool = True) -> Streaming | None:
+    """Block groups that fit ``dit_budget``: a resident prefix plus (depth + 1) streamed slots."""
+    total = dit_weight_bytes(spec, precision)
+    block_bytes = int(total * spec.block_fraction / spec.n_blocks)
+    rest = total - block_bytes * spec.n_blocks
+    bw = (machine.bandwidth.pinned_gbps if pinned else machine.bandwidth.pageable_gbps) * 1e9
+    per_block_compute = step_seconds / spec.n_blocks / dit_passes(spec, wl)
+    # Groups of at least ~64 MiB amortise per-copy overhead; video blocks are big enough alone.
+    bpg = max(1, min(spec.n_blocks, math.ceil(64 * 1024 ** 2 / max(1, block_bytes))))
+    group_bytes = bpg * block_bytes
+    n_groups = -(-spec.n_blocks // bpg)
+    depth = 1
+    usable = int(dit_budget * STREAM_HEADROOM) - rest
+    if usable < (depth + 1) * group_bytes:
+        return None
+    resident = min(n_groups, (usable - (depth + 1) * group_bytes) // group_bytes)
+    if resident >= n_groups:
+        return None  # everything fits: not a streaming plan
+    if resident <= n_groups - 4 and usable - (resident + depth + 2) * group_bytes >= 0:
+        depth = 2 if usable >= (resident + 3) * group_bytes else 1
+    streamed_blocks = spec.n_blocks - resident * bpg
+    t_block = block_bytes / bw
+    return Streaming(n_blocks=spec.n_blocks, blocks_per_group=bpg, prefetch_depth=depth, resident_groups=int(resident),
+                     streamed_bytes_per_step=int(streamed_blocks * block_bytes * dit_passes(spec, wl)),
+                     block_bytes=block_bytes, transfer_seconds_per_block=t_block,
+                     compute_seconds_per_block=per_block_compute, hides_transfer=t_block <= per_block_compute)
+
+
+def _dit_options(spec, wl, machine, budget, act, notes) -> list[_DitOption]:
+    gpu = machine.gpu
+    fp8c = bool(gpu and gpu.fp8_compute)
+    opts = []
+    for p in available_precisions(machine, notes):
+        wb = dit_weight_bytes(spec, p)
+        step = compute_seconds_per_step(spec, wl, machine, p, fp8c)
+        if wb + act <= budget:
+            opts.append(_DitOption(p, Residency.RESIDENT, wb, wb, None, 0.0, step))
+            opts.append(_DitOption(p, Residency.PHASE, wb, wb, None, 0.0, step))
+        st = plan_streaming(spec, p, budget - act, wl, machine, step)
+        if st is not None:
+            streamed = st.streamed_bytes_per_step
+            bw = machine.bandwidth.pinned_gbps * 1e9
+            streamed_compute = step * (st.n_blocks - st.resident_groups * st.blocks_per_group) / st.n_blocks
+            extra = wl.steps * max(0.0, streamed / bw - streamed_compute)
+            resident = wb - st.block_bytes * (st.n_blocks - st.resident_groups * st.blocks_per_group) \
+                + st.block_bytes * st.blocks_per_group * (st.prefetch_depth + 1)
+            opts.append(_DitOption(p, Residency.STREAMED, wb, min(wb, resident), st, extra, step))
+    return opts
+
+
+def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
+    gpu = machine.gpu
+    main = gpu.device if gpu else "cpu"
+    te_act = te_activation_bytes(spec)
+    bw = machine.bandwidth.pinned_gbps * 1e9
+    opts = []
+    p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
+    for p, loss in ((p16, 0.0), (Precision.FP8_E4M3FN, 0.5)):
+        wb = int(spec.te_params * bytes_per_param(p))
+        if wb + te_act <= budget:
+            opts.append(_TeOption(p, main, Residency.RESIDENT, wb, wb + te_act, 0.0, loss))
+            opts.append(_TeOption(p, main, Residency.PHASE, wb, wb + te_act, wb / bw, loss))
+    for g in machine.gpus[1:]:
+        wb = int(spec.te_params * bytes_per_param(Precision.BF16 if g.bf16 else Precision.FP16))
+        if wb + te_act <= g.total_bytes - OVERHEAD_BYTES:
+            opts.append(_TeOption(Precision.BF16 if g.bf16 else Precision.FP16, g.device, Residency.RESIDENT, wb, 0,
+                                  0.0, 0.0, f"text encoder lives on the second GPU {g.name}"))
+            break
+    cpu_seconds = 2 * spec.te_params * spec.text_tokens / (CPU_TFLOPS * 1e12)
+    opts.append(_TeOption(Precision.FP32, "cpu", Residency.CPU, int(spec.te_params * 4), 0, cpu_seconds, 0.0,
+                          f"text encoder runs on the CPU in fp32 (~{cpu_seconds:.0f} s per prompt)"))
+    return opts
+
+
+def plan_vae_tiling(spec: ModelSpec, wl: Workload, available: int) -> tuple[Tiling | None, int]:
+    """Largest tiles (and for causal video VAEs, the longest temporal chunk) whose peak fits ``available``."""
+    full = vae_decode_bytes(spec, wl)
+    if full <= available:
+        return None, full
+    frames_opts = [None]
+    if spec.is_video:
+        t = spec.vae_temporal
+        frames_opts = [f for f in (64, 32, 16, 8, t) if f < wl.frames] or [t]
+        for f in frames_opts:  # temporal chunks alone, full frame
+            peak = vae_decode_bytes(spec, wl, frames=f)
+            if peak <= available:
+                return Tiling(tile_px=max(wl.width, wl.height), overlap_px=0, temporal_frames=f,
+                              temporal_overlap=0 if spec.vae_causal else max(1, f // 8), peak_bytes=peak), peak
+    for tile in (1024, 768, 512, 384, 256, 192, 128):
+        if tile >= max(wl.width, wl.height):
+            continue
+        overlap = max(16, tile // 8)
+        f = frames_opts[-1]
+        peak = vae_decode_bytes(spec, wl, tile, overlap, frames=f)
+        if peak <= available:
+            return Tiling(tile_px=tile, overlap_px=overlap, temporal_frames=f,
+                          temporal_overlap=(0 if spec.vae_causal else 1) if f else 0, peak_bytes=peak), peak
+    tile, overlap, f = 128, 16, frames_opts[-1]
+    peak = vae_decode_bytes(spec, wl, tile, overlap, frames=f)
+    return Tiling(tile_px=tile, overlap_px=overlap, temporal_frames=f, temporal_overlap=0, peak_bytes=peak), peak
+
+
+# --- search -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Candidate:
+    dit: _DitOption
+    te: _TeOption
+    vae_residency: Residency
+    tiling: Tiling | None
+    vae_peak: int
+    peak: int
+    extra: float
+    total_seconds: float
+    loss: float
+
+
+def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res, notes_out) -> _Candidate | None:
+    gpu_bf16 = machine.gpu.bf16
+    vae_w = int(spec.vae_params * (2 if gpu_bf16 else 4))
+    dit_res = dit.resident_bytes if dit.residency in (Residency.RESIDENT, Residency.STREAMED) else 0
+    te_res = te.gpu_bytes if te.residency is Residency.RESIDENT else 0
+    vae_res_b = vae_w if vae_res is Residency.RESIDENT else 0
+    dit_always = dit.residency is Residency.RESIDENT
+    # A streamed DiT keeps its resident groups across phases only when that is cheaper; PhaseOffload
+    # releases them before decode, so treat streamed like phase outside sampling.
+    encode = te.gpu_bytes + (dit.resident_bytes if dit_always else 0) + vae_res_b
+    sample = dit.resident_bytes + act + te_res + vae_res_b
+    avail_decode = budget - vae_w - (dit.resident_bytes if dit_always else 0) - te_res
+    if avail_decode <= 0:
+        return None
+    tiling, vae_peak = plan_vae_tiling(spec, wl, avail_decode)
+    decode = vae_w + vae_peak + (dit.resident_bytes if dit_always else 0) + te_res
+    peak = max(encode, sample, decode)
+    if peak > budget:
+        return None
+    bw_pin = machine.bandwidth.pinned_gbps * 1e9
+    moves = 0.0
+    if dit.residency in (Residency.PHASE, Residency.STREAMED):
+        moves += dit_res / bw_pin if dit.residency is Residency.STREAMED else dit.weight_bytes / bw_pin
+    if spec.experts > 1:
+        moves += (spec.experts - 1) * dit.weight_bytes / bw_pin if dit.residency is not Residency.STREAMED else 0
+    if vae_res is Residency.PHASE:
+        moves += vae_w / bw_pin
+    extra = dit.extra_seconds_per_gen * (spec.experts if spec.experts > 1 else 1) ** 0 + te.extra_seconds + moves
+    if tiling is not None:
+        extra += 0.15 * vae_peak / 1e9  # overlap recompute; small
+    total = dit.step_seconds * wl.steps + extra
+    loss = LOSS_RANK[dit.precision] + te.loss
+    return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss)
+
+
+def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
+    def streams(c):
+        return c.dit.residency is Residency.STREAMED
+
+    if goal is Goal.QUALITY:
+        return min(cands, key=lambda c: (c.loss, c.total_seconds, c.peak))
+    if goal is Goal.SPEED:
+        return min(cands, key=lambda c: (round(c.total_seconds, 2), c.loss, c.peak))
+    if goal is Goal.FIT:
+        return min(cands, key=lambda c: (streams(c), c.peak, c.total_seconds))
+    # balanced: the least lossy plan among those within 25% (+1 s) of the fastest. fp8 wins where it makes
+    # a run markedly faster (fp8 tensor cores on image DiTs, or avoiding slow streaming); lossless wins
+    # where the difference is small (video DiTs are attention-bound; streaming that hides is free).
+    best = min(c.total_seconds for c in cands)
+    near = [c for c in cands if c.total_seconds <= 1.25 * best + 1.0]
+    return min(near, key=lambda c: (c.loss, c.total_seconds, c.peak))
+
+
+def pin_rule(pinned_set_bytes: int, machine: Machine) -> tuple[bool, str]:
+    """Seed 002: pin only when available host RAM covers the pinned set twice over; never without a GPU;
+    pin when RAM is unknown (page-locking fails soft per component). Windows caps page-locked memory
+    near half of RAM; WSL2 far lower."""
+    if not machine.gpus:
+        return False, "no GPU: nothing to DMA to"
+    if pinned_set_bytes <= 0:
+        return False, "nothing is staged on the host"
+    if machine.os == "wsl" and pinned_set_bytes > 1 * GiB:
+        return False, "WSL2 page-locks little memory (~1 GiB); using pageable copies"
+    avail = machine.ram_available_bytes
+    if avail is None:
+        return True, "host RAM unknown; pinning fails soft per component"
+    if machine.os == "windows" and machine.ram_total_bytes and pinned_set_bytes > 0.45 * machine.ram_total_bytes:
+        return False, "Windows caps page-locked memory near half of RAM"
+    if avail >= 2 * pinned_set_bytes:
+        return True, f"host RAM {avail / GiB:.0f} GiB covers the pinned set ({pinned_set_bytes / GiB:.1f} GiB) twice"
+    return False, (f"host RAM {avail / GiB:.0f} GiB is under twice the pinned set "
+                   f"({pinned_set_bytes / GiB:.1f} GiB): pageable copies avoid memory pressure")
+
+
+def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goal.BALANCED) -> Plan:
+    """The plan for ``spec`` on ``machine``; never raises for "does not fit" (``fits=False`` + notes)."""
+    goal = Goal.parse(goal, "goal")
+    wl.validate()
+    notes: list[str] = list(machine.notes) + list(machine.comfyui.get("notes", ()))
+    act = activation_bytes(spec, wl)
+    workload = {"width": wl.width, "height": wl.height, "frames": wl.frames if spec.is_video else 1,
+                "steps": wl.steps, "batch": wl.batch, "tokens": spec.tokens(wl.width, wl.height, wl.frames),
+                "dit_passes_per_step": dit_passes(spec, wl)}
+    mdict = {"gpu": machine.gpu.name if machine.gpu else None, "vram_bytes": machine.gpu.total_bytes if machine.gpu else 0,
+             "ram_available_bytes": machine.ram_available_bytes, "os": machine.os,
+             "h2d_gbps": machine.bandwidth.pinned_gbps, "h2d_source": machine.bandwidth.source}
+    if machine.gpu is None:
+        return _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict)
+
+    vram = machine.gpu.total_bytes
+    budget = vram - OVERHEAD_BYTES
+    dits = _dit_options(spec, wl, machine, budget, act, notes)
+    tes = _te_options(spec, machine, budget, goal)
+    cands = []
+    for dit, te, vr in itertools.product(dits, tes, (Residency.RESIDENT, Residency.PHASE)):
+        c = _evaluate(spec, wl, machine, budget, act, dit, te, vr, notes)
+        if c is not None:
+            cands.append(c)
+    if not cands:
+        return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits)
+    best = _choose(cands, goal)
+    return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict)
+
+
+def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict) -> Plan:
+    gpu = machine.gpu
+    bf16 = gpu.bf16
+    vae_w = int(spec.vae_params * (2 if bf16 else 4))
+    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * spec.experts if c.dit.residency is not Residency.RESIDENT else 0,
+            Component.TEXT_ENCODER: c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
+            Component.VAE: vae_w if c.vae_residency is Residency.PHASE else 0}
+    pin_total = sum(host.values())
+    pin, pin_reason = pin_rule(pin_total, machine)
+    notes.append(f"pinning: {'on' if pin else 'off'} ({pin_reason})")
+    extra = c.extra
+    if not pin and pin_total:
+        # Pageable copies are slower: rescale the movement part of the extra seconds.
+        ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
+        extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds) * ratio
+    dit_notes = []
+    if c.dit.precision.is_quantized:
+        kept = spec.dit_kept_params_4bit if c.dit.precision is Precision.NF4 else spec.dit_kept_params
+        what = "embedders, norms and the final layer" + (", and the adaLN/modulation linears" if c.dit.precision is Precision.NF4 else "")
+        dit_notes.append(f"census keeps {kept / 1e9:.2f} B params in 16-bit ({what}); the block linears are "
+                         f"{c.dit.precision} (~{bytes_per_param(c.dit.precision):g} byte/param)")
+        fp8c = gpu.fp8_compute
+        if c.dit.precision is Precision.FP8_E4M3FN:
+            dit_notes.append("fp8 matmuls on tensor cores" if fp8c else
+                             f"{gpu.name} has no fp8 compute: fp8 weights are dequantized per layer (memory saving only)")
+    if c.dit.streaming is not None:
+        s = c.dit.streaming
+        dit_notes.append(f"streams {s.n_blocks - s.resident_groups * s.blocks_per_group} of {s.n_blocks} blocks per step "
+                         f"({s.streamed_bytes_per_step / GiB:.1f} GiB); per block {s.transfer_seconds_per_block * 1e3:.1f} ms "
+                         f"copy vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
+                         + ("the copy hides behind compute" if s.hides_transfer else "the copy cannot fully hide"))
+    if spec.experts > 1:
+        dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
+    if machine.comfyui.get("dynamic_vram"):
+        dit_notes.append("ComfyUI's DynamicVRAM already streams this model; GroupPrefetch stands aside unless it measures faster")
+    dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
+                             pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
+                             streaming=c.dit.streaming, notes=tuple(dit_notes))
+    te_notes = [c.te.note] if c.te.note else []
+    if c.te.residency is Residency.PHASE:
+        te_notes.append("on the GPU only while encoding; offload is a pointer swap back to the host copy")
+    if c.te.precision is Precision.FP8_E4M3FN:
+        te_notes.append("fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): bf16 does not fit the encode phase")
+    te_plan = ComponentPlan(Component.TEXT_ENCODER, c.te.precision, c.te.device, c.te.residency,
+                            pin and host[Component.TEXT_ENCODER] > 0, c.te.weight_bytes,
+                            c.te.gpu_bytes if c.te.device == gpu.device else (c.te.weight_bytes if c.te.device != "cpu" else 0),
+                            notes=tuple(te_notes))
+    vae_notes = []
+    if c.tiling is not None:
+        t = c.tiling
+        vae_notes.append(f"tiled decode: {t.tile_px}px tiles, {t.overlap_px}px overlap"
+                         + (f", {t.temporal_frames}-frame chunks" + (" with the causal cache carried (exact)" if spec.vae_causal else "")
+                            if t.temporal_frames else "")
+                         + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
+    vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,
+                             pin and host[Component.VAE] > 0, vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))
+    host_need = c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0) + vae_w
+    if machine.ram_available_bytes is not None and host_need > machine.ram_available_bytes:
+        notes.append(f"host RAM: {machine.ram_available_bytes / GiB:.1f} GiB available but the host copies need "
+                     f"{host_need / GiB:.1f} GiB; the OS will page (slow) — close other programs or use smaller files")
+    if machine.bandwidth.source != "measured":
+        notes.append(f"host->GPU bandwidth {machine.bandwidth.pinned_gbps:g} GB/s ({machine.bandwidth.source}"
+                     + (f": {machine.bandwidth.reason}" if machine.bandwidth.reason else "") + ")")
+    notes.append(f"goal '{goal}': " + {Goal.BALANCED: "least lossy plan within 25% of the fastest",
+                                       Goal.QUALITY: "least lossy plan that fits, whatever it costs in seconds",
+                                       Goal.SPEED: "fastest predicted plan", Goal.FIT: "smallest peak, streaming last"}[goal])
+    peak = c.peak + OVERHEAD_BYTES
+    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
+                components=(dit_plan, te_plan, vae_plan), activation_bytes=act,
+                vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=OVERHEAD_BYTES,
+                predicted_peak_bytes=int(peak), predicted_extra_seconds=round(extra, 2),
+                fits=peak <= gpu.total_bytes, notes=tuple(notes),
+                workload={**workload, "predicted_step_seconds": round(c.dit.step_seconds, 3),
+                          "predicted_total_seconds": round(c.dit.step_seconds * wl.steps + extra, 1)},
+                machine=mdict)
+
+
+def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
+    """No GPU: everything computes on the CPU. Weights may be stored smaller than fp32 (ComfyUI casts
+    bf16/fp8 weights per op on the CPU), which is the only lever that matters for host RAM."""
+    avail = machine.ram_available_bytes
+    extra_need = act + vae_decode_bytes(spec, wl)
+    chosen = None
+    for p in (Precision.FP32, Precision.BF16, Precision.FP8_E4M3FN):
+        dit_b = int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN else dit_weight_bytes(spec, p)
+        te_b = int(spec.te_params * bytes_per_param(p))
+        need = dit_b + te_b + int(spec.vae_params * 4) + extra_need
+        chosen = (p, dit_b, te_b, need)
+        if avail is None or need <= avail:
+            break
+    p, dit_b, te_b, need = chosen
+    fits = avail is None or need <= avail
+    notes.append("no GPU: every component computes on the CPU (ComfyUI's CPU path); nothing is pinned or moved")
+    if p is not Precision.FP32:
+        notes.append(f"weights stored as {p} to fit host RAM, cast to fp32 per layer while computing")
+    if avail is not None and not fits:
+        notes.append(f"host RAM {avail / GiB:.1f} GiB < {need / GiB:.1f} GiB needed even with {p} weights")
+    comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, "cpu", Residency.CPU, False, dit_b, 0),
+             ComponentPlan(Component.TEXT_ENCODER, p, "cpu", Residency.CPU, False, te_b, 0),
+             ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0))
+    step = compute_seconds_per_step(spec, wl, machine, Precision.FP32, False)
+    workload = {**workload, "predicted_step_seconds": round(step, 1), "predicted_total_seconds": round(step * wl.steps, 1),
+                "host_bytes_needed": int(need)}
+    return Plan(model=spec.name, goal=goal, budget_bytes=0, vram_bytes=0, components=comps,
+                activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=0,
+                predicted_peak_bytes=0, predicted_extra_seconds=0.0, fits=fits, notes=tuple(notes),
+                workload=workload, machine=mdict)
+
+
+def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> Plan:
+    """Nothing fits: return the smallest-footprint plan, marked ``fits=False``, with what to change."""
+    gpu = machine.gpu
+    smallest = min(dits, key=lambda d: d.resident_bytes) if dits else None
+    p = smallest.precision if smallest else Precision.NF4
+    wb = dit_weight_bytes(spec, p)
+    resident = smallest.resident_bytes if smallest else wb
+    notes.append(f"does not fit {gpu.total_bytes / GiB:.0f} GiB even with {p} weights and streaming: one step's "
+                 f"activations are {act / GiB:.1f} GiB. Lower the resolution/frames or batch, or use a bigger card.")
+    comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, Residency.STREAMED, False, wb, resident,
+                           streaming=smallest.streaming if smallest else None),
+             ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
+             ComponentPlan(Component.VAE, Precision.BF16, gpu.device, Residency.PHASE, False, int(spec.vae_params * 2),
+                           int(spec.vae_params * 2)))
+    peak = resident + act + OVERHEAD_BYTES
+    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
+                components=comps, activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl),
+                overhead_bytes=OVERHEAD_BYTES, predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
+                notes=tuple(notes), workload=workload, machine=mdict)

@@ -1,0 +1,57 @@
+"""Readable plan reports (shown on the Recommend node and printed by the CLI)."""
+from __future__ import annotations
+
+from .plan_types import Plan
+from .probe import GiB, Machine
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_plan(plan: Plan, machine: Machine | None = None) -> str:
+    lines = []
+    m = plan.machine
+    target = f"{m.get('gpu')} ({plan.vram_bytes / GiB:.0f} GiB)" if plan.vram_bytes else "CPU only"
+    wl = plan.workload
+    shape = f"{wl.get('width')}x{wl.get('height')}" + (f"x{wl['frames']}f" if wl.get("frames", 1) > 1 else "")
+    lines.append(f"Levers plan: {plan.model} at {shape}, {wl.get('steps')} steps, batch {wl.get('batch')} "
+                 f"on {target}; goal {plan.goal}")
+    lines.append("")
+    header = f"{'component':<16}{'precision':<12}{'device':<8}{'residency':<10}{'pin':<5}{'weights':>11}{'on GPU':>11}"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for c in plan.components:
+        lines.append(f"{str(c.name):<16}{str(c.precision):<12}{c.device:<8}{str(c.residency):<10}"
+                     f"{'yes' if c.pin else 'no':<5}{gib(c.weight_bytes):>11}{gib(c.resident_bytes):>11}")
+    lines.append("")
+    if plan.vram_bytes:
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        lines.append(f"predicted peak {gib(plan.predicted_peak_bytes)} of {gib(plan.vram_bytes)} -> {verdict} "
+                     f"(incl. {gib(plan.overhead_bytes)} CUDA context + fragmentation)")
+        lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode untiled {gib(plan.vae_decode_peak_bytes)}"
+                     + (f", tiled {gib(plan.vae.tiling.peak_bytes)}" if plan.vae.tiling else ""))
+        lines.append(f"extra seconds per generation from these levers: {plan.predicted_extra_seconds:.2f} s "
+                     f"(predicted {wl.get('predicted_step_seconds')} s/step, ~{wl.get('predicted_total_seconds')} s total)")
+    else:
+        lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode {gib(plan.vae_decode_peak_bytes)}; "
+                     f"{'fits' if plan.fits else 'DOES NOT FIT'} in host RAM")
+    for c in plan.components:
+        for n in c.notes:
+            lines.append(f"- {c.name}: {n}")
+        if c.streaming:
+            s = c.streaming
+            lines.append(f"- {c.name}: GroupPrefetch {s.blocks_per_group} block(s)/group, prefetch depth "
+                         f"{s.prefetch_depth}, {s.resident_groups} resident group(s) of {s.n_groups}")
+    for n in plan.notes:
+        lines.append(f"- {n}")
+    if machine is not None:
+        libs = ", ".join(f"{k}: {'ok' if v.ok else 'no'}" for k, v in machine.libraries.items())
+        lines.append(f"- machine: {machine.os}, host RAM "
+                     + (f"{machine.ram_available_bytes / GiB:.0f} GiB available" if machine.ram_available_bytes else machine.ram_reason)
+                     + f", H2D {machine.bandwidth.pinned_gbps:g} GB/s pinned / {machine.bandwidth.pageable_gbps:g} pageable "
+                     + f"({machine.bandwidth.source}); {libs}")
+        for k, v in machine.libraries.items():
+            if not v.ok:
+                lines.append(f"  - {k}: {v.reason}")
+    return "\n".join(lines)
