@@ -1,0 +1,163 @@
+"""Find the transformer blocks of a diffusion model, in execution order.
+
+Group prefetch streams these blocks; everything else (embedders, final layer, norms) is the
+*remainder* and stays resident. Known architectures are matched by attribute names (the names
+ComfyUI's and diffusers' model classes use); unknown models fall back to the ModuleList
+children whose items share a class and together hold most of the parameters. Pure torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# (architecture, block containers in execution order). The first entry whose containers all
+# exist wins, so more specific layouts come first.
+_LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sdxl_unet", ("input_blocks", "middle_block", "output_blocks")),
+    ("hidream", ("double_stream_blocks", "single_stream_blocks")),
+    ("flux", ("double_blocks", "single_blocks")),          # also Chroma, HunyuanVideo
+    ("sd3", ("joint_blocks",)),
+    ("ltxv_qwen", ("transformer_blocks",)),                  # LTXV, Qwen-Image, diffusers DiTs
+    ("wan", ("blocks",)),
+    ("lumina", ("layers",)),
+)
+
+# Wrappers whose real model sits one attribute deeper (ComfyUI BaseModel, compiled modules).
+_INNER = ("diffusion_model", "_orig_mod")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Blocks in execution order and what is left over.
+
+    ``blocks``: (qualified name, module) per block. ``remainder``: (qualified name, tensor) for
+    every parameter and buffer outside the blocks. ``root``: the module the names are relative
+    to (``model.diffusion_model`` for a ComfyUI BaseModel). ``architecture``: which rule matched.
+    """
+
+    root: nn.Module
+    root_prefix: str
+    blocks: tuple[tuple[str, nn.Module], ...]
+    remainder: tuple[tuple[str, torch.Tensor], ...]
+    architecture: str
+
+    @property
+    def block_bytes(self) -> list[int]:
+        return [module_bytes(m) for _, m in self.blocks]
+
+    @property
+    def remainder_bytes(self) -> int:
+        return sum(_nbytes(t) for _, t in self.remainder)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's unique parameters and buffers (tied tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += _nbytes(t)
+    return total
+
+
+def _unwrap(module: nn.Module) -> tuple[nn.Module, str]:
+    prefix = ""
+    for _ in range(4):
+        for attr in _INNER:
+            inner = getattr(module, attr, None)
+            if isinstance(inner, nn.Module):
+                module, prefix = inner, f"{prefix}{attr}."
+                break
+        else:
+            break
+    return module, prefix
+
+
+def _container_items(root: nn.Module, attr: str) -> list[tuple[str, nn.Module]] | None:
+    child = getattr(root, attr, None)
+    if isinstance(child, nn.Module) and attr == "middle_block":
+        return [(attr, child)]     # the SDXL middle block is called as one module
+    if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
+        return [(f"{attr}.{i}", m) for i, m in enumerate(child)]
+    return None
+
+
+def _match_known(root: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | None:
+    for arch, attrs in _LAYOUTS:
+        items: list[tuple[str, nn.Module]] = []
+        for attr in attrs:
+            found = _container_items(root, attr)
+            if found is None:
+                break
+            items.extend(found)
+        else:
+            return arch, items
+    return None
+
+
+def _fallback(root: nn.Module, min_share: float) -> list[tuple[str, nn.Module]]:
+    """ModuleLists (anywhere in the tree) of same-class items holding the most bytes, in
+    registration order, taken greedily until they hold ``min_share`` of the model."""
+    total = module_bytes(root) or 1
+    candidates: list[tuple[int, int, str, nn.ModuleList]] = []
+    for order, (name, child) in enumerate(root.named_modules()):
+        if not isinstance(child, nn.ModuleList) or len(child) < 2:
+            continue
+        if len({type(m) for m in child}) != 1:
+            continue
+        candidates.append((module_bytes(child), order, name, child))
+    chosen: list[tuple[int, int, str, nn.ModuleList]] = []
+    covered = 0
+    for nbytes, order, name, lst in sorted(candidates, key=lambda c: -c[0]):
+        if any(name.startswith(f"{c[2]}.") or c[2].startswith(f"{name}.") for c in chosen):
+            continue  # nested in (or around) a list already taken
+        chosen.append((nbytes, order, name, lst))
+        covered += nbytes
+        if covered >= min_share * total:
+            break
+    if covered < min_share * total:
+        return []
+    items: list[tuple[str, nn.Module]] = []
+    for _, _, name, lst in sorted(chosen, key=lambda c: c[1]):
+        items.extend((f"{name}.{i}", m) for i, m in enumerate(lst))
+    return items
+
+
+def find_blocks(model: nn.Module, min_share: float = 0.5) -> BlockLayout:
+    """Blocks of ``model`` in execution order plus the remainder.
+
+    ``model`` may be the diffusion model itself or a wrapper holding it as ``diffusion_model``
+    (ComfyUI's BaseModel). Raises ``ValueError`` when no block structure is found.
+    """
+    root, prefix = _unwrap(model)
+    known = _match_known(root)
+    if known is not None:
+        arch, blocks = known
+    else:
+        arch, blocks = "fallback", _fallback(root, min_share)
+    if not blocks:
+        raise ValueError(
+            f"no transformer blocks found in {type(root).__name__}: expected one of "
+            f"{', '.join('+'.join(a) for _, a in _LAYOUTS)}, or ModuleLists of same-class blocks "
+            f"holding at least {min_share:.0%} of the parameters")
+    in_blocks: set[int] = set()
+    for _, m in blocks:
+        in_blocks.update(id(t) for t in m.parameters())
+        in_blocks.update(id(t) for t in m.buffers())
+    remainder = []
+    seen: set[int] = set()
+    for name, t in list(root.named_parameters()) + list(root.named_buffers()):
+        if id(t) in in_blocks or id(t) in seen:
+            continue
+        seen.add(id(t))
+        remainder.append((name, t))
+    return BlockLayout(root=root, root_prefix=prefix, blocks=tuple(blocks), remainder=tuple(remainder),
+                       architecture=arch)

@@ -1,0 +1,1044 @@
+"""Group prefetch: stream transformer blocks host->device, group i+1 copying while group i computes.
+
+Layout (what lives where):
+- Host: one arena per dtype holding every streamed tensor, blocks in execution order, each
+  tensor at an aligned offset with its strides preserved. A group of consecutive blocks is then a
+  contiguous slice of each arena: one copy per dtype per group, and regrouping needs no repack.
+  The arena is page-locked in place when the transport can pin. Streamed parameters point at
+  their arena view whenever their group is not computing (zero bytes moved to "offload").
+- Device: ``prefetch_depth + 1`` static slots per dtype sized for the largest group (allocated
+  once, never freed in the hot path), a resident prefix of groups, and the remainder.
+
+Schedule per streamed group g (hooks on the blocks, opaque to torch.compile):
+  pre-hook of g's first block: [load g if it was not prefetched] -> prefetch the next
+  ``prefetch_depth`` streamed groups (wrapping to the first streamed group for the next forward:
+  the next step or the other CFG half) -> compute waits on g's event -> bind g's parameters to
+  its slot -> compute. post-hook of g's last block: rebind g's parameters to the host arena and
+  release the slot. A copy into a slot always follows ``wait_compute`` so it cannot overwrite
+  weights that compute issued earlier still reads. No host synchronisation in the hot path.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import BudgetExceeded, ConfigError
+from .blocks import BlockLayout, find_blocks
+from .transport import PinResult, Transport, note_compute, tensor_nbytes
+
+AUTO = "auto"
+ALIGN_BYTES = 64          # slice alignment inside arenas and slots (DMA- and vector-friendly)
+MAX_AUTO_DEPTH = 4
+_GIB = 1024 ** 3
+
+
+# --- config ------------------------------------------------------------------------------------
+
+def _auto_or_int(name: str, value: Any, minimum: int) -> int | str:
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
+        raise ConfigError(name, value, f"'auto' or an integer >= {minimum}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """How to stream. Each size is ``"auto"`` or a number.
+
+    blocks_per_group: blocks per streamed group (bigger groups hide copies behind more compute).
+    prefetch_depth: groups copied ahead of the one computing (device slots = depth + 1).
+    resident_groups: groups at the start of the model kept on the device for good.
+    budget_bytes: device bytes for weights (remainder + resident groups + slots). ``auto``: free
+        device memory plus what this module already holds there, minus 1 GiB headroom.
+    manage_resident: move the remainder and the resident groups to the device (False when the
+        caller, e.g. ComfyUI's loader, places them).
+    pin: page-lock the host arenas when the transport can.
+    """
+
+    blocks_per_group: int | str = AUTO
+    prefetch_depth: int | str = AUTO
+    resident_groups: int | str = AUTO
+    budget_bytes: int | str = AUTO
+    manage_resident: bool = True
+    pin: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks_per_group", _auto_or_int("blocks_per_group", self.blocks_per_group, 1))
+        object.__setattr__(self, "prefetch_depth", _auto_or_int("prefetch_depth", self.prefetch_depth, 1))
+        object.__setattr__(self, "resident_groups", _auto_or_int("resident_groups", self.resident_groups, 0))
+        object.__setattr__(self, "budget_bytes", _auto_or_int("budget_bytes", self.budget_bytes, 0))
+
+    @property
+    def is_auto(self) -> bool:
+        return AUTO in (self.blocks_per_group, self.prefetch_depth, self.resident_groups)
+
+
+# --- host store --------------------------------------------------------------------------------
+
+def _dense_span(t: torch.Tensor) -> int | None:
+    """Elements covered by ``t``'s strides when it is non-overlapping and dense, else None."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 1)
+    return span if span == t.numel() and all(st >= 0 for st in t.stride()) else None
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter) and type(t.data) is torch.Tensor
+
+
+@dataclass
+class _Ref:
+    owner: nn.Module
+    name: str
+    is_param: bool
+
+    def get(self) -> torch.Tensor | None:
+        table = self.owner._parameters if self.is_param else self.owner._buffers
+        return table.get(self.name)
+
+
+@dataclass
+class _Entry:
+    """One streamed tensor: where it sits in the arena and who holds it."""
+
+    refs: list[_Ref]
+    block: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int                         # element offset in the dtype arena
+    span: int                           # elements covered
+    orig_device: torch.device
+    host_view: torch.Tensor | None = None
+    tensor: torch.Tensor | None = None  # the object whose .data is swapped (refreshed on attach)
+
+
+class HostStore:
+    """Streamed tensors of ``blocks`` packed into one (pinned) arena per dtype.
+
+    Built once; cheap to re-validate (``refresh``) when the owner replaced or moved a tensor
+    (ComfyUI patching a LoRA in, or loading the module elsewhere), re-staging only what changed.
+    """
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True):
+        self.block_names = [n for n, _ in blocks]
+        self.modules = [m for _, m in blocks]
+        self.entries: list[_Entry] = []
+        self.by_block: list[list[_Entry]] = [[] for _ in blocks]
+        self.kept: list[tuple[str, str]] = []          # (tensor name, why it is not streamed)
+        self.kept_refs: list[_Ref] = []
+        self.arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.block_range: dict[torch.dtype, list[tuple[int, int]]] = {}
+        self.pin_results: dict[torch.dtype, PinResult] = {}
+        self.restaged = 0
+        self._collect(blocks)
+        self._allocate(transport, pin)
+        self._stage_all(transport)
+
+    # layout ------------------------------------------------------------------------------
+    def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        owners: dict[int, set[int]] = {}
+        for b, (_, block) in enumerate(blocks):
+            for t in list(block.parameters()) + list(block.buffers()):
+                owners.setdefault(id(t), set()).add(b)
+        by_id: dict[int, _Entry] = {}
+        cursor: dict[torch.dtype, int] = {}
+        for b, (bname, block) in enumerate(blocks):
+            for mname, mod in block.named_modules():
+                for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
+                    for name, t in table.items():
+                        if t is None:
+                            continue
+                        ref = _Ref(mod, name, is_param)
+                        full = f"{bname}.{mname + '.' if mname else ''}{name}"
+                        if id(t) in by_id:
+                            by_id[id(t)].refs.append(ref)   # tied inside one block
+                            continue
+                        why = None
+                        if len(owners[id(t)]) > 1:
+                            why = "shared between blocks"
+                        elif not _is_plain(t):
+                            why = f"tensor subclass {type(t.data).__name__} (cannot be rebound by pointer swap)"
+                        elif t.numel() == 0:
+                            why = "empty"
+                        if why is not None:
+                            self.kept.append((full, why))
+                            self.kept_refs.append(ref)
+                            by_id[id(t)] = _Entry([ref], b, t.dtype, (), (), 0, 0, t.device)  # placeholder
+                            continue
+                        span = _dense_span(t)
+                        stride = tuple(t.stride()) if span is not None else _contiguous_stride(t.shape)
+                        span = span if span is not None else t.numel()
+                        align = max(1, ALIGN_BYTES // t.element_size())
+                        start = cursor.get(t.dtype, 0)
+                        start = -(-start // align) * align
+                        e = _Entry([ref], b, t.dtype, tuple(t.shape), stride, start, span, t.device)
+                        cursor[t.dtype] = start + span
+                        by_id[id(t)] = e
+                        self.entries.append(e)
+                        self.by_block[b].append(e)
+        # per-block element range in each arena (empty ranges sit at the previous block's end)
+        for dtype, end in cursor.items():
+            align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+            ranges, last = [], 0
+            for b in range(len(blocks)):
+                es = [e for e in self.by_block[b] if e.dtype == dtype]
+                if es:
+                    lo = min(e.offset for e in es)
+                    hi = -(-max(e.offset + e.span for e in es) // align) * align
+                    ranges.append((lo, hi))
+                    last = hi
+                else:
+                    ranges.append((last, last))
+            self.block_range[dtype] = ranges
+            cursor[dtype] = -(-end // align) * align
+        self._sizes = cursor
+
+    def _allocate(self, transport: Transport, pin: bool) -> None:
+        with torch.inference_mode(False):   # ComfyUI runs nodes in inference mode; arenas must be normal tensors
+            for dtype, n in self._sizes.items():
+                arena = torch.empty(n, dtype=dtype, device="cpu")
+                self.arenas[dtype] = arena
+                self.pin_results[dtype] = transport.pin(arena) if pin else PinResult(False, "pinning disabled")
+            for e in self.entries:
+                e.host_view = self.arenas[e.dtype].as_strided(e.shape, e.stride, e.offset)
+
+    def _stage(self, e: _Entry, src: torch.Tensor, transport: Transport) -> bool:
+        """Copy ``src`` into the entry's arena view. Returns True when it was a device->host copy."""
+        if src.device.type == "cpu":
+            e.host_view.copy_(src)
+            return False
+        transport.copy_to_host(src, dst=e.host_view, tag=f"stage:{self.block_names[e.block]}")
+        return True
+
+    def _stage_all(self, transport: Transport) -> None:
+        d2h = False
+        with torch.no_grad():
+            for e in self.entries:
+                t = e.refs[0].get()
+                d2h |= self._stage(e, t.data, transport)
+                e.tensor = t
+        if d2h:
+            transport.synchronize()   # one-time: staged device weights must land before we drop them
+        for e in self.entries:
+            self._bind_host(e)
+
+    @staticmethod
+    def _bind_host(e: _Entry) -> None:
+        for r in e.refs:
+            r.get().data = e.host_view
+
+    def refresh(self, transport: Transport) -> int:
+        """Re-stage entries whose tensor was replaced, moved or reshaped since staging."""
+        changed, d2h = [], False
+        with torch.no_grad():
+            for e in self.entries:
+                t = e.refs[0].get()
+                if t is None:
+                    raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
+                same = (t.data_ptr() == e.host_view.data_ptr() and t.dtype == e.dtype
+                        and tuple(t.shape) == e.shape and tuple(t.stride()) == e.stride and t.device.type == "cpu")
+                if same:
+                    e.tensor = t
+                    continue
+                if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                    raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor changed dtype or shape; "
+                                       f"rebuild the prefetch store")
+                d2h |= self._stage(e, t.data, transport)
+                e.tensor = t
+                changed.append(e)
+        if d2h:
+            transport.synchronize()   # one-time, outside the hot path: see _stage_all
+        for e in changed:
+            self._bind_host(e)
+        self.restaged += len(changed)
+        return len(changed)
+
+    def restore(self, transport: Transport) -> None:
+        """Give every streamed tensor its own storage again (on its original device, same strides,
+        same values) and unpin the arenas. The store is unusable afterwards."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self.entries:
+                t = e.refs[0].get()
+                if t is None or t.data_ptr() != e.host_view.data_ptr():
+                    continue  # the owner already rebound it elsewhere
+                fresh = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="cpu")
+                fresh.copy_(e.host_view)
+                if e.orig_device.type != "cpu":
+                    fresh = transport.copy_to_device(fresh, tag="restore") if e.orig_device == transport.device \
+                        else fresh.to(e.orig_device)
+                for r in e.refs:
+                    r.get().data = fresh
+        transport.synchronize()  # one-time: restored copies must land before the arenas go
+        for dtype, arena in self.arenas.items():
+            if self.pin_results[dtype].pinned:
+                transport.unpin(arena)
+        self.arenas.clear()
+
+    # queries -------------------------------------------------------------------------------
+    @property
+    def n_blocks(self) -> int:
+        return len(self.modules)
+
+    def span(self, dtype: torch.dtype, b0: int, b1: int) -> tuple[int, int]:
+        """Element range of blocks [b0, b1) in the ``dtype`` arena."""
+        r = self.block_range[dtype]
+        return r[b0][0], r[b1 - 1][1]
+
+    def group_bytes(self, b0: int, b1: int) -> int:
+        total = 0
+        for dtype, arena in self.arenas.items():
+            lo, hi = self.span(dtype, b0, b1)
+            total += (hi - lo) * arena.element_size()
+        return total
+
+    def block_bytes(self) -> list[int]:
+        return [self.group_bytes(b, b + 1) for b in range(self.n_blocks)]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(tensor_nbytes(a) for a in self.arenas.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(tensor_nbytes(self.arenas[d]) for d, r in self.pin_results.items() if r.pinned and d in self.arenas)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A concrete grouping with its predicted cost (seconds per forward; None when unmeasured)."""
+
+    blocks_per_group: int
+    prefetch_depth: int
+    resident_groups: int
+    n_groups: int
+    device_bytes: int              # remainder + resident groups + slots
+    slot_bytes: int
+    streamed_bytes: int            # bytes copied host->device per forward
+    predicted_s: float | None = None
+    floor_s: float | None = None
+    compute_s: float | None = None
+    transfer_s: float | None = None
+    reason: str = ""
+
+    @property
+    def streamed_groups(self) -> int:
+        return self.n_groups - self.resident_groups
+
+    @property
+    def predicted_hidden(self) -> float | None:
+        return _hidden(self.compute_s, self.transfer_s, self.predicted_s)
+
+
+def _hidden(compute: float | None, transfer: float | None, total: float | None) -> float | None:
+    """Share of the transfer time hidden behind compute: 1 = fully overlapped, 0 = serial."""
+    if compute is None or transfer is None or total is None:
+        return None
+    if transfer <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute + transfer - total) / transfer))
+
+
+def simulate_forward(pre_compute: float, compute: Sequence[float], copy: Sequence[float], depth: int,
+                     forwards: int = 3) -> float:
+    """Steady-state seconds per forward of the prefetch schedule (last of ``forwards``).
+
+    Model: one copy engine, in issue order; the copy for streamed group p+depth is issued at the
+    start of group p and waits for compute issued before it (``wait_compute``: group p-1 done);
+    compute of group p waits for its copy. ``pre_compute`` is the non-streamed compute per forward
+    (remainder and resident groups), which the wrapped prefetch of the first groups overlaps.
+    """
+    n = len(compute)
+    t_comp = t_copy = 0.0
+    ready = [0.0] * n
+    for k in range(min(depth, n)):
+        t_copy = max(t_copy, t_comp) + copy[k]
+        ready[k] = t_copy
+    last = 0.0
+    for _ in range(forwards):
+        start = t_comp
+        t_comp += pre_compute
+        for p in range(n):
+            if n > depth:
+                q = (p + depth) % n
+                t_copy = max(t_copy, t_comp) + copy[q]
+                ready_q = t_copy
+            t_comp = max(t_comp, ready[p]) + compute[p]
+            if n > depth:
+                ready[q] = ready_q
+        last = t_comp - start
+    return last
+
+
+def _layout_bytes(store: HostStore, g: int, d: int, r: int) -> tuple[int, int, int, int]:
+    """(resident block bytes, slot bytes, streamed bytes per forward, n_groups) for a grouping."""
+    n = store.n_blocks
+    n_groups = -(-n // g)
+    res_blocks = min(n, r * g)
+    resident = store.group_bytes(0, res_blocks) if res_blocks else 0
+    slot = 0
+    streamed = 0
+    for dtype, arena in store.arenas.items():
+        widest = 0
+        for gi in range(r, n_groups):
+            lo, hi = store.span(dtype, gi * g, min(n, (gi + 1) * g))
+            widest = max(widest, hi - lo)
+            streamed += (hi - lo) * arena.element_size()
+        slot += widest * arena.element_size()
+    slots = (d + 1) * slot if n_groups > r else 0
+    return resident, slots, streamed, n_groups
+
+
+def plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, remainder_bytes: int,
+                bandwidth: float | None = None, block_compute_s: Sequence[float] | None = None,
+                other_compute_s: float = 0.0) -> GroupPlan:
+    """Choose group size, depth and resident prefix: fit ``budget_bytes``, then minimise the
+    simulated time per forward. Without measured compute, transfers are assumed not to hide, so
+    the plan keeps as much resident as fits with the smallest groups."""
+    n = store.n_blocks
+    fixed_g, fixed_d, fixed_r = config.blocks_per_group, config.prefetch_depth, config.resident_groups
+    gs = [min(fixed_g, n)] if fixed_g != AUTO else list(range(1, n + 1))
+    best: GroupPlan | None = None
+    smallest_need: int | None = None
+    for g in gs:
+        n_groups = -(-n // g)
+        ds = [fixed_d] if fixed_d != AUTO else list(range(1, MAX_AUTO_DEPTH + 1))
+        for d in ds:
+            rs = [min(fixed_r, n_groups)] if fixed_r != AUTO else list(range(n_groups, -1, -1))
+            for r in rs:
+                streamed_groups = n_groups - r
+                if fixed_d == AUTO and streamed_groups and d >= streamed_groups and d > 1:
+                    continue   # deeper than the stream: the slots would just hold everything
+                resident, slots, streamed, _ = _layout_bytes(store, g, d, r)
+                need = remainder_bytes + resident + slots
+                smallest_need = need if smallest_need is None else min(smallest_need, need)
+                if need > budget_bytes:
+                    continue
+                plan = _score(store, g, d, r, n_groups, need, slots, streamed, bandwidth,
+                              block_compute_s, other_compute_s)
+                if best is None or _better(plan, best):
+                    best = plan
+                break   # r descends: the first that fits is the most resident for (g, d)
+    if best is None:
+        raise BudgetExceeded(int(smallest_need or 0), int(budget_bytes), "diffusion_model (group prefetch)",
+                             hint="Raise the VRAM budget, use smaller groups (blocks_per_group=1, prefetch_depth=1, "
+                                  "resident_groups=0) or quantize the model first so fewer bytes stream.")
+    return best
+
+
+def _score(store, g, d, r, n_groups, need, slots, streamed, bandwidth, block_compute_s, other_compute_s) -> GroupPlan:
+    plan = GroupPlan(g, d, r, n_groups, need, slots, streamed)
+    if bandwidth is None or block_compute_s is None:
+        return plan
+    n = store.n_blocks
+    res_blocks = min(n, r * g)
+    comp, copy = [], []
+    for gi in range(r, n_groups):
+        b0, b1 = gi * g, min(n, (gi + 1) * g)
+        comp.append(sum(block_compute_s[b0:b1]))
+        copy.append(store.group_bytes(b0, b1) / bandwidth)
+    pre = other_compute_s + sum(block_compute_s[:res_blocks])
+    total_compute = pre + sum(comp)
+    transfer = sum(copy)
+    predicted = simulate_forward(pre, comp, copy, d) if comp else total_compute
+    return replace(plan, predicted_s=predicted, floor_s=max(total_compute, transfer), compute_s=total_compute,
+                   transfer_s=transfer)
+
+
+def _better(a: GroupPlan, b: GroupPlan) -> bool:
+    if a.predicted_s is not None and b.predicted_s is not None:
+        if a.predicted_s < b.predicted_s * 0.995:
+            return True
+        if b.predicted_s < a.predicted_s * 0.995:
+            return False
+    # equal time (or unmeasured): fewer streamed bytes, then less device memory, then shallower
+    return (a.streamed_bytes, a.device_bytes, a.prefetch_depth) < (b.streamed_bytes, b.device_bytes, b.prefetch_depth)
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+class _Clock:
+    """Compute-stream timestamps: CUDA events on CUDA (read later, when they have completed),
+    ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ready(self, mark: Any) -> bool:
+        return (not self.cuda) or mark.query()
+
+    def elapsed(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+
+def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repeats: int = 3) -> float:
+    """Host->device bytes/s through ``transport`` from a pinned (when possible) buffer.
+
+    One-time calibration: it synchronises the host, so never call it in the hot path."""
+    with torch.inference_mode(False):
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        pin = transport.pin(src)
+        dst = transport.empty((nbytes,), torch.uint8)
+    try:
+        transport.copy_to_device(src, dst, tag="bandwidth")
+        transport.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            transport.copy_to_device(src, dst, tag="bandwidth")
+        transport.synchronize()
+        seconds = time.perf_counter() - t0
+    finally:
+        if pin.pinned:
+            transport.unpin(src)
+    transport.ledger.h2d_bytes -= nbytes * (repeats + 1)   # calibration is not model traffic
+    transport.ledger.h2d_copies -= repeats + 1
+    transport.ledger.by_tag.pop("bandwidth", None)
+    return nbytes * repeats / max(seconds, 1e-9)
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+@dataclass
+class _Slot:
+    index: int
+    buffers: dict[torch.dtype, torch.Tensor]
+    group: int | None = None
+    event: Any = None
+    last_use: int = 0
+
+
+@dataclass
+class ForwardStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    misses: int = 0
+    seconds: float | None = None
+
+
+@dataclass
+class _Group:
+    index: int
+    b0: int
+    b1: int
+    resident: bool
+    tag: str
+    nbytes: int = 0
+    host: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # arena slices
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class PrefetchHandle:
+    """The installed engine. ``stats()`` / ``report()`` describe it; ``remove()`` undoes it."""
+
+    def __init__(self, layout: BlockLayout, config: PrefetchConfig, transport: Transport,
+                 store: HostStore, owns_store: bool, bandwidth: float | None, budget_bytes: float):
+        self.layout = layout
+        self.config = config
+        self.transport = transport
+        self.store = store
+        self.owns_store = owns_store
+        self.bandwidth = bandwidth
+        self.budget_bytes = budget_bytes
+        self.device = transport.device
+        self.clock = _Clock(self.device)
+        self._hooks: list[Any] = []
+        self._moved: list[tuple[_Ref, torch.Tensor]] = []     # (ref, original object) moved to the device
+        self._resident_bufs: dict[torch.dtype, torch.Tensor] = {}
+        self.slots: list[_Slot] = []
+        self.groups: list[_Group] = []
+        self.group_of: list[int] = []
+        self.stream_order: list[int] = []
+        self.bound: int | None = None
+        self._use_counter = 0
+        self.forwards = 0
+        self.last = ForwardStats()
+        self._fwd_ledger: dict[str, int] | None = None
+        self._fwd_marks: list[tuple[Any, Any]] = []
+        self._forward_seconds: list[float] = []
+        self._misses = 0
+        self._calibrating = False
+        self._block_marks: dict[int, Any] = {}
+        self._block_pairs: list[tuple[int, Any, Any]] = []
+        self._fwd_start_mark: Any = None
+        self.block_compute_s: list[float] | None = None
+        self.other_compute_s: float = 0.0
+        self.initial_plan: GroupPlan | None = None
+        self.plan: GroupPlan | None = None
+        self.notes: list[str] = []
+        self.remainder_bytes = 0
+        self._removed = False
+
+    # setup ---------------------------------------------------------------------------------
+    def _install(self) -> None:
+        self._onload_remainder()
+        self.remainder_bytes = self._device_remainder_bytes()
+        plan = plan_groups(self.store, self.config, self.budget_bytes, self.remainder_bytes, self.bandwidth)
+        self.initial_plan = plan
+        self._build(plan)
+        root = self.layout.root
+        self._hooks.append(root.register_forward_pre_hook(self._on_forward_start))
+        self._hooks.append(root.register_forward_hook(self._on_forward_end))
+        for b, (_, block) in enumerate(self.layout.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._make_pre(b)))
+            self._hooks.append(block.register_forward_hook(self._make_post(b)))
+        self._calibrating = True
+
+    def _device_remainder_bytes(self) -> int:
+        """Device bytes outside the streamed/resident groups that the budget must cover: the
+        remainder (when this engine places it) and block tensors that cannot stream."""
+        seen, total = set(), 0
+        refs = [r.get() for r in self.store.kept_refs]
+        if self.config.manage_resident:
+            refs += [t for _, t in self.layout.remainder]
+        for t in refs:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            total += tensor_nbytes(t)
+        return total
+
+    def _onload_remainder(self) -> None:
+        """Move block tensors that cannot stream, and (manage_resident) the non-block tensors,
+        to the device once."""
+        refs: list[_Ref] = list(self.store.kept_refs)
+        if self.config.manage_resident:
+            in_blocks = {id(sub) for _, b in self.layout.blocks for sub in b.modules()}
+            for mod in self.layout.root.modules():
+                if id(mod) in in_blocks:
+                    continue
+                for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
+                    refs.extend(_Ref(mod, name, is_param) for name, t in table.items() if t is not None)
+        done: dict[int, torch.Tensor] = {}
+        with torch.no_grad(), torch.inference_mode(False):
+            for ref in refs:
+                t = ref.get()
+                if t is None or t.device == self.device:
+                    continue
+                if id(t) in done:
+                    _set(ref, done[id(t)])
+                    continue
+                moved = self._to_device(t, "remainder")
+                self._moved.append((ref, t))
+                done[id(t)] = moved
+                _set(ref, moved)
+
+    def _to_device(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        if _is_plain(t):
+            data = self.transport.copy_to_device(t.data, tag=tag)
+        else:
+            data = t.data.to(self.device)   # tensor subclass: its own .to moves its inner tensors
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(data, requires_grad=t.requires_grad)
+        return data
+
+    def _build(self, plan: GroupPlan) -> None:
+        """Materialise ``plan``: groups, resident buffers, device slots, bound views."""
+        store, n = self.store, self.store.n_blocks
+        g = plan.blocks_per_group
+        self.plan = plan
+        self.groups, self.group_of = [], [0] * n
+        for gi in range(plan.n_groups):
+            b0, b1 = gi * g, min(n, (gi + 1) * g)
+            grp = _Group(gi, b0, b1, gi < plan.resident_groups, f"group{gi}", store.group_bytes(b0, b1))
+            for dtype, arena in store.arenas.items():
+                lo, hi = store.span(dtype, b0, b1)
+                if hi > lo:
+                    grp.host[dtype] = arena[lo:hi]
+            grp.entries = [e for b in range(b0, b1) for e in store.by_block[b]]
+            self.groups.append(grp)
+            for b in range(b0, b1):
+                self.group_of[b] = gi
+        self.stream_order = [grp.index for grp in self.groups if not grp.resident]
+        with torch.no_grad(), torch.inference_mode(False):
+            # resident prefix: one copy per dtype into a dedicated buffer, bound for good
+            res = [grp for grp in self.groups if grp.resident]
+            if res and self.config.manage_resident:
+                b1 = res[-1].b1
+                for dtype, arena in store.arenas.items():
+                    lo, hi = store.span(dtype, 0, b1)
+                    if hi > lo:
+                        buf = self.transport.empty((hi - lo,), dtype)
+                        self.transport.copy_to_device(arena[lo:hi], buf, tag="resident")
+                        self._resident_bufs[dtype] = buf
+                ev = self.transport.record("resident")
+                self.transport.wait(ev, "resident")
+                for grp in res:
+                    for e in grp.entries:
+                        lo = store.span(e.dtype, 0, b1)[0]
+                        _bind(e, self._resident_bufs[e.dtype].as_strided(e.shape, e.stride, e.offset - lo))
+            elif res:
+                self.notes.append("resident groups are placed by the caller (manage_resident=False)")
+            # static slots, sized for the widest streamed group per dtype
+            if self.stream_order:
+                widest: dict[torch.dtype, int] = {}
+                for gi in self.stream_order:
+                    for dtype, sl in self.groups[gi].host.items():
+                        widest[dtype] = max(widest.get(dtype, 0), sl.numel())
+                n_slots = min(plan.prefetch_depth + 1, len(self.stream_order) + 1)
+                self.slots = [_Slot(i, {d: self.transport.empty((w,), d) for d, w in widest.items()})
+                              for i in range(n_slots)]
+                # device views per (group, slot), created once (no view creation in the hot path)
+                self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+                for gi in self.stream_order:
+                    grp = self.groups[gi]
+                    for s in self.slots:
+                        views = []
+                        for e in grp.entries:
+                            lo = store.span(e.dtype, grp.b0, grp.b1)[0]
+                            views.append(s.buffers[e.dtype].as_strided(e.shape, e.stride, e.offset - lo))
+                        self._views[(gi, s.index)] = views
+                self._dst: dict[tuple[int, int], dict[torch.dtype, torch.Tensor]] = {
+                    (gi, s.index): {d: s.buffers[d][: sl.numel()] for d, sl in self.groups[gi].host.items()}
+                    for gi in self.stream_order for s in self.slots}
+        self._slot_of: dict[int, _Slot] = {}
+        if self.stream_order and len(self.stream_order) <= plan.prefetch_depth:
+            self.notes.append(f"only {len(self.stream_order)} streamed group(s) for prefetch_depth="
+                              f"{plan.prefetch_depth}: they stay in their slots after the first forward")
+
+    def _teardown(self) -> None:
+        """Undo ``_build``: every streamed and resident tensor back on its host view."""
+        if self.bound is not None:
+            self._release(self.bound)
+        self.transport.synchronize()   # one-time (re-plan / remove): in-flight copies must finish first
+        for e in self.store.entries:
+            HostStore._bind_host(e)
+        self.slots, self._slot_of, self._resident_bufs = [], {}, {}
+        self._views, self._dst = {}, {}
+
+    # hooks ---------------------------------------------------------------------------------
+    def _make_pre(self, b: int):
+        @torch.compiler.disable
+        def pre_hook(module, args):
+            self._enter_block(b)
+        return pre_hook
+
+    def _make_post(self, b: int):
+        @torch.compiler.disable
+        def post_hook(module, args, output):
+            self._exit_block(b)
+        return post_hook
+
+    @torch.compiler.disable
+    def _on_forward_start(self, module, args):
+        self._collect_timings()
+        self._fwd_ledger = self.transport.ledger.snapshot()
+        self._misses = 0
+        self._fwd_start_mark = self.clock.mark()
+        self._block_pairs = []
+        # copy the first streamed groups now, overlapping the embedders / resident prefix
+        # (no-op when the previous forward's wrap-around already brought them in)
+        if self.stream_order:
+            self._prefetch(self.stream_order[: self.plan.prefetch_depth], protect=set())
+
+    @torch.compiler.disable
+    def _on_forward_end(self, module, args, output):
+        if self.bound is not None:
+            self._release(self.bound)
+        end = self.clock.mark()
+        self._fwd_marks.append((self._fwd_start_mark, end))
+        before, after = self._fwd_ledger or {}, self.transport.ledger.snapshot()
+        self.last = ForwardStats(
+            h2d_bytes=after["h2d_bytes"] - before.get("h2d_bytes", 0),
+            d2h_bytes=after["d2h_bytes"] - before.get("d2h_bytes", 0),
+            h2d_copies=after["h2d_copies"] - before.get("h2d_copies", 0),
+            misses=self._misses)
+        self.forwards += 1
+        if self._calibrating:
+            self._calibration_pairs = (self._block_pairs, self._fwd_start_mark, end)
+            self._calibrating = False
+            if not self.clock.cuda:
+                self._collect_timings()   # CPU marks are ready now; CUDA ones are read next forward
+
+    def _enter_block(self, b: int) -> None:
+        g = self.group_of[b]
+        grp = self.groups[g]
+        if not grp.resident and self.bound != g:
+            if self.bound is not None:
+                self._release(self.bound)
+            self._acquire(g)
+        if self._calibrating:
+            self._block_marks[b] = self.clock.mark()
+
+    def _exit_block(self, b: int) -> None:
+        if self._calibrating and b in self._block_marks:
+            self._block_pairs.append((b, self._block_marks.pop(b), self.clock.mark()))
+        g = self.group_of[b]
+        if self.bound == g and b == self.groups[g].b1 - 1:
+            self._release(g)
+
+    # schedule ------------------------------------------------------------------------------
+    def _acquire(self, g: int) -> None:
+        slot = self._slot_of.get(g)
+        if slot is None:                       # not prefetched (first forward, or blocks ran out of order)
+            self._misses += 1
+            slot = self._load(g, protect=set())
+        order = self.stream_order
+        pos = order.index(g)
+        ahead = [order[(pos + k) % len(order)] for k in range(1, self.plan.prefetch_depth + 1)
+                 if len(order) > k]
+        self._prefetch(ahead, protect={g})
+        # why: compute must not read the slot before the copy that fills it has finished
+        self.transport.wait(slot.event, tag=self.groups[g].tag)
+        for e, view in zip(self.groups[g].entries, self._views[(g, slot.index)]):
+            _bind(e, view)
+        self._use_counter += 1
+        slot.last_use = self._use_counter
+        self.bound = g
+        note_compute(self.transport, self.groups[g].tag)
+
+    def _prefetch(self, groups: Sequence[int], protect: set[int]) -> None:
+        keep = set(protect) | set(groups)
+        for h in groups:
+            if h not in self._slot_of:
+                self._load(h, protect=keep)
+
+    def _load(self, h: int, protect: set[int]) -> _Slot:
+        slot = self._victim(protect)
+        if slot.group is not None:
+            self._slot_of.pop(slot.group, None)
+        grp = self.groups[h]
+        # why: the slot's previous group may still be read by compute issued so far; the copy
+        # stream waits for it instead of the host (no record_stream, no host sync)
+        self.transport.wait_compute(tag=grp.tag)
+        dst = self._dst[(h, slot.index)]
+        for dtype, src in grp.host.items():
+            self.transport.copy_to_device(src, dst[dtype], tag=grp.tag)
+        slot.event = self.transport.record(tag=grp.tag)
+        slot.group = h
+        self._slot_of[h] = slot
+        return slot
+
+    def _victim(self, protect: set[int]) -> _Slot:
+        free = [s for s in self.slots if s.group is None]
+        if free:
+            return free[0]
+        usable = [s for s in self.slots if s.group not in protect and s.group != self.bound]
+        if not usable:
+            raise RuntimeError("group prefetch: no free device slot (prefetch window larger than the slots)")
+        return min(usable, key=lambda s: s.last_use)
+
+    def _release(self, g: int) -> None:
+        for e in self.groups[g].entries:
+            HostStore._bind_host(e)
+        self.transport.release(tag=self.groups[g].tag)
+        self.bound = None
+
+    # calibration, re-planning and stats -----------------------------------------------------
+    def _collect_timings(self) -> None:
+        """Read finished timing marks. The calibration forward's per-block compute is read once
+        (on CUDA at the start of the next forward; a one-time host sync there, then re-plan)."""
+        pending = getattr(self, "_calibration_pairs", None)
+        if pending is not None:
+            pairs, start, end = pending
+            if self.clock.cuda:
+                end.synchronize()   # one-time calibration read, never in steady state
+            per_block = [0.0] * self.store.n_blocks
+            for b, a, z in pairs:
+                per_block[b] += self.clock.elapsed(a, z)
+            total = self.clock.elapsed(start, end)
+            self.block_compute_s = per_block
+            self.other_compute_s = max(0.0, total - sum(per_block))
+            self._calibration_pairs = None
+            self._fwd_marks = []
+            self._replan()
+        while self._fwd_marks and self.clock.ready(self._fwd_marks[0][1]):
+            a, z = self._fwd_marks.pop(0)
+            self._forward_seconds.append(self.clock.elapsed(a, z))
+            self.last.seconds = self._forward_seconds[-1]
+
+    def _replan(self) -> None:
+        if self.bandwidth is None:
+            return
+        plan = plan_groups(self.store, self.config, self.budget_bytes, self.remainder_bytes, self.bandwidth,
+                           self.block_compute_s, self.other_compute_s)
+        cur = self.plan
+        if (plan.blocks_per_group, plan.prefetch_depth, plan.resident_groups) != \
+                (cur.blocks_per_group, cur.prefetch_depth, cur.resident_groups):
+            self._teardown()
+            self._build(plan)
+        else:
+            self.plan = plan   # same shape, now with predictions
+
+    def stats(self) -> dict[str, Any]:
+        """Per-forward numbers (last forward) and the layout."""
+        self._collect_timings()
+        p = self.plan
+        achieved = statistics.median(self._forward_seconds) if self._forward_seconds else None
+        resident_dev = sum(tensor_nbytes(b) for b in self._resident_bufs.values())
+        return {
+            "architecture": self.layout.architecture,
+            "blocks": self.store.n_blocks,
+            "blocks_per_group": p.blocks_per_group,
+            "prefetch_depth": p.prefetch_depth,
+            "groups": p.n_groups,
+            "resident_groups": p.resident_groups,
+            "streamed_groups": len(self.stream_order),
+            "streamed_bytes_per_forward": p.streamed_bytes,
+            "resident_bytes": resident_dev + self.remainder_bytes,
+            "slot_bytes": sum(tensor_nbytes(b) for s in self.slots for b in s.buffers.values()),
+            "device_bytes_planned": p.device_bytes,
+            "budget_bytes": None if math.isinf(self.budget_bytes) else int(self.budget_bytes),
+            "host_bytes": self.store.host_bytes,
+            "pinned_bytes": self.store.pinned_bytes,
+            "kept_unstreamed": len(self.store.kept),
+            "forwards": self.forwards,
+            "last_forward": {"h2d_bytes": self.last.h2d_bytes, "d2h_bytes": self.last.d2h_bytes,
+                             "h2d_copies": self.last.h2d_copies, "misses": self.last.misses,
+                             "seconds": self.last.seconds},
+            "bandwidth_bytes_per_s": self.bandwidth,
+            "compute_s": p.compute_s,
+            "transfer_s": p.transfer_s,
+            "floor_s": p.floor_s,
+            "predicted_s": p.predicted_s,
+            "achieved_s": achieved,
+            "predicted_hidden": p.predicted_hidden,
+            "achieved_hidden": _hidden(p.compute_s, p.transfer_s, achieved),
+            "floor_efficiency": (p.floor_s / achieved) if (p.floor_s and achieved) else None,
+        }
+
+    def report(self) -> str:
+        s = self.stats()
+        lines = [
+            f"GroupPrefetch: {s['architecture']} model, {s['blocks']} blocks in {s['groups']} groups of "
+            f"{s['blocks_per_group']}; {s['resident_groups']} resident, {s['streamed_groups']} streamed, "
+            f"prefetch depth {s['prefetch_depth']} ({len(self.slots)} device slots).",
+            f"device: {_gb(s['resident_bytes'])} resident + {_gb(s['slot_bytes'])} slots"
+            + (f" (budget {_gb(s['budget_bytes'])})" if s["budget_bytes"] is not None else "")
+            + f"; host arena {_gb(s['host_bytes'])}, pinned {_gb(s['pinned_bytes'])}.",
+            f"per forward: {_gb(s['streamed_bytes_per_forward'])} host->device planned; last forward moved "
+            f"{_gb(s['last_forward']['h2d_bytes'])} host->device, {_gb(s['last_forward']['d2h_bytes'])} device->host.",
+        ]
+        if s["floor_s"] is not None:
+            line = (f"timing: compute {s['compute_s'] * 1e3:.1f} ms, transfer {s['transfer_s'] * 1e3:.1f} ms at "
+                    f"{s['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, floor max(compute, transfer) "
+                    f"{s['floor_s'] * 1e3:.1f} ms, predicted {s['predicted_s'] * 1e3:.1f} ms "
+                    f"(hides {100 * s['predicted_hidden']:.0f}% of the transfer)")
+            if s["achieved_s"] is not None:
+                line += (f", achieved {s['achieved_s'] * 1e3:.1f} ms (hides {100 * s['achieved_hidden']:.0f}%, "
+                         f"{100 * s['floor_efficiency']:.0f}% of the floor)")
+            lines.append(line + ".")
+        elif self.bandwidth is None:
+            lines.append("timing: no bandwidth given, so no overlap prediction (pass bandwidth=...).")
+        for name, why in self.store.kept[:5]:
+            lines.append(f"not streamed: {name} ({why}); it stays with the remainder.")
+        if len(self.store.kept) > 5:
+            lines.append(f"... and {len(self.store.kept) - 5} more tensors not streamed.")
+        lines.extend(self.notes)
+        for dtype, r in self.store.pin_results.items():
+            if not r.pinned:
+                lines.append(f"host arena {dtype} not pinned: {r.reason}.")
+                break
+        return "\n".join(lines)
+
+    # teardown ------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Remove the hooks, free the device buffers and restore the module: every tensor back
+        on its original device with its values and strides (the store's own storage is returned
+        only when this handle built the store)."""
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._teardown()
+        with torch.no_grad():
+            for ref, orig in reversed(self._moved):
+                _set(ref, orig)
+        self._moved.clear()
+        if self.owns_store:
+            self.store.restore(self.transport)
+
+
+def _gb(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", _GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _set(ref: _Ref, value: torch.Tensor) -> None:
+    table = ref.owner._parameters if ref.is_param else ref.owner._buffers
+    table[ref.name] = value
+
+
+def _bind(e: _Entry, view: torch.Tensor) -> None:
+    for r in e.refs:
+        r.get().data = view
+
+
+def _module_device_bytes(module: nn.Module, device: torch.device) -> int:
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen and t.device == device:
+            seen.add(id(t))
+            total += tensor_nbytes(t)
+    return total
+
+
+def _auto_budget(module: nn.Module, device: torch.device) -> float:
+    if device.type != "cuda":
+        return math.inf
+    free, total = torch.cuda.mem_get_info(device)
+    return free + _module_device_bytes(module, device) - max(_GIB, 0.05 * total)
+
+
+def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: Transport,
+                         bandwidth: float | None = None, store: HostStore | None = None,
+                         layout: BlockLayout | None = None) -> PrefetchHandle:
+    """Stream ``module``'s transformer blocks through ``transport``.
+
+    ``bandwidth`` (host->device bytes/s; measured once through ``transport`` when None, or pass
+    0 to skip) enables auto sizing from the first forward's measured per-block compute; without
+    it the auto plan keeps as much resident as fits. ``store``: a
+    HostStore built earlier for the same blocks (reused across installs; not restored on
+    ``remove``). ``layout``: blocks found earlier (default: ``find_blocks(module)``).
+    """
+    if not isinstance(config, PrefetchConfig):
+        raise ConfigError("config", type(config).__name__, "a PrefetchConfig")
+    layout = layout or find_blocks(module)
+    owns = store is None
+    if store is None:
+        store = HostStore(layout.blocks, transport, pin=config.pin)
+    else:
+        store.refresh(transport)
+    budget = _auto_budget(module, transport.device) if config.budget_bytes == AUTO else float(config.budget_bytes)
+    if bandwidth is None and store.host_bytes:
+        bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
+    handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget)
+    try:
+        handle._install()
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

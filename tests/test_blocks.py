@@ -1,0 +1,101 @@
+"""Block finder on toy versions of each architecture's structure."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+
+
+class Blk(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+
+def _lst(n, d=8):
+    return nn.ModuleList(Blk(d) for _ in range(n))
+
+
+def _model(**children):
+    m = nn.Module()
+    m.embed = nn.Linear(8, 8)
+    for k, v in children.items():
+        setattr(m, k, v)
+    m.final = nn.Linear(8, 2)
+    return m
+
+
+@pytest.mark.parametrize("attrs, arch", [
+    ({"double_blocks": 2, "single_blocks": 3}, "flux"),              # Flux, Chroma, HunyuanVideo
+    ({"blocks": 4}, "wan"),
+    ({"transformer_blocks": 3}, "ltxv_qwen"),                         # LTXV, Qwen-Image
+    ({"joint_blocks": 3}, "sd3"),
+    ({"layers": 5}, "lumina"),
+    ({"double_stream_blocks": 2, "single_stream_blocks": 2}, "hidream"),
+])
+def test_known_layouts_in_execution_order(attrs, arch):
+    m = _model(**{k: _lst(n) for k, n in attrs.items()})
+    layout = find_blocks(m)
+    assert layout.architecture == arch
+    expected = [f"{k}.{i}" for k, n in attrs.items() for i in range(n)]
+    assert [name for name, _ in layout.blocks] == expected
+    assert all(mod is getattr(m, name.split(".")[0])[int(name.split(".")[1])] for name, mod in layout.blocks)
+    assert sorted(n for n, _ in layout.remainder) == ["embed.bias", "embed.weight", "final.bias", "final.weight"]
+
+
+def test_flux_order_is_double_then_single_even_if_registered_in_reverse():
+    m = nn.Module()
+    m.single_blocks = _lst(2)
+    m.double_blocks = _lst(3)
+    names = [n for n, _ in find_blocks(m).blocks]
+    assert names[:3] == ["double_blocks.0", "double_blocks.1", "double_blocks.2"]
+
+
+def test_sdxl_unet_input_middle_output():
+    m = _model(input_blocks=_lst(3), middle_block=nn.Sequential(Blk(), Blk()), output_blocks=_lst(3))
+    layout = find_blocks(m)
+    assert layout.architecture == "sdxl_unet"
+    assert [n for n, _ in layout.blocks] == ["input_blocks.0", "input_blocks.1", "input_blocks.2", "middle_block",
+                                             "output_blocks.0", "output_blocks.1", "output_blocks.2"]
+
+
+def test_comfy_basemodel_wrapper_is_unwrapped():
+    outer = nn.Module()
+    outer.diffusion_model = _model(blocks=_lst(3))
+    layout = find_blocks(outer)
+    assert layout.root is outer.diffusion_model
+    assert layout.root_prefix == "diffusion_model."
+    assert [n for n, _ in layout.blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_fallback_takes_the_heavy_same_class_lists():
+    m = nn.Module()
+    m.stem = nn.Linear(8, 8)
+    m.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))         # light: not blocks
+    m.stage = nn.Module()
+    m.stage.units = _lst(6, d=32)                                        # heavy, nested one level
+    m.mixed = nn.ModuleList([Blk(32), nn.Linear(32, 32)])               # mixed classes: never blocks
+    layout = find_blocks(m)
+    assert layout.architecture == "fallback"
+    assert [n for n, _ in layout.blocks] == [f"stage.units.{i}" for i in range(6)]
+    streamed = sum(module_bytes(b) for _, b in layout.blocks)
+    assert streamed > 0.5 * module_bytes(m)
+
+
+def test_no_blocks_raises_with_advice():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        find_blocks(m)
+
+
+def test_remainder_and_blocks_partition_the_parameters():
+    m = _model(double_blocks=_lst(2), single_blocks=_lst(2))
+    m.register_buffer("pe", torch.zeros(4))
+    layout = find_blocks(m)
+    in_blocks = {id(p) for _, b in layout.blocks for p in b.parameters()}
+    rem = {id(t) for _, t in layout.remainder}
+    assert not in_blocks & rem
+    assert in_blocks | rem == {id(p) for p in m.parameters()} | {id(m.pe)}
+    assert layout.remainder_bytes == sum(t.numel() * t.element_size() for _, t in layout.remainder)

@@ -1,0 +1,349 @@
+"""Group prefetch on CPU through the recording transport: schedule, byte ledger, budget, outputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_levers.core.errors import BudgetExceeded, ConfigError
+from comfyui_levers.core.residency.prefetch import (AUTO, PrefetchConfig, apply_group_prefetch, plan_groups,
+                                                    simulate_forward)
+from comfyui_levers.core.residency.transport import CpuTransport, RecordingTransport
+from prefetch_toys import flux_inputs, make_flux, make_wan, wan_inputs
+
+BIG = 10 ** 9
+
+
+def _rec():
+    return RecordingTransport(CpuTransport())
+
+
+def _forward_ops(tr, start):
+    return tr.ops[start:]
+
+
+def _streamed_bytes(handle):
+    return sum(sl.numel() * sl.element_size() for gi in handle.stream_order for sl in handle.groups[gi].host.values())
+
+
+@pytest.fixture
+def flux_run():
+    m = make_flux(fp8_single=True)
+    x = flux_inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(blocks_per_group=2, prefetch_depth=1, resident_groups=1,
+                                               budget_bytes=BIG), tr, bandwidth=0)
+    yield m, x, ref, tr, h
+    h.remove()
+
+
+def test_schedule_prefetch_before_compute_wait_before_release_after(flux_run):
+    m, x, ref, tr, h = flux_run
+    with torch.no_grad():
+        m(*x)                       # warm-up forward: starts the wrap-around
+        start = len(tr.ops)
+        m(*x)
+    ops = tr.ops                    # the steady-state forward's first copy was issued in the warm-up
+    order = h.stream_order
+    assert len(order) == 3
+
+    def first(kind, tag, after):
+        return next(i for i in range(after + 1, len(ops)) if ops[i].kind == kind and ops[i].tag == tag)
+
+    computes = [first("compute", f"group{g}", start - 1) for g in order]
+    assert computes == sorted(computes), "groups must compute in execution order"
+    for i, g in enumerate(order):
+        tag, c = f"group{g}", computes[i]
+        # compute waits on this group's copy event right before it starts
+        w = max(j for j in range(c) if ops[j].kind == "wait" and ops[j].tag == tag)
+        assert all(ops[j].kind != "compute" for j in range(w + 1, c))
+        rec = max(j for j in range(w) if ops[j].kind == "record" and ops[j].tag == tag)
+        cp = max(j for j in range(rec) if ops[j].kind == "h2d" and ops[j].tag == tag)
+        # every copy into a slot follows wait_compute for that same group
+        wc = max(j for j in range(cp) if ops[j].kind == "wait_compute")
+        assert ops[wc].tag == tag and all(ops[j].kind == "h2d" for j in range(wc + 1, cp + 1))
+        # the next streamed group (wrapping to the first one for the next forward) is copied
+        # before this group computes
+        nxt = f"group{order[(i + 1) % len(order)]}"
+        assert any(ops[j].kind == "h2d" and ops[j].tag == nxt for j in range(computes[i - 1] if i else start, c)), \
+            (tag, nxt)
+        # released after its compute, before the next group computes
+        r = first("release", tag, c)
+        if i + 1 < len(computes):
+            assert r < computes[i + 1]
+    assert not any(op.kind == "d2h" for op in ops[start:])
+
+
+def test_wrap_around_the_next_forward_finds_the_first_group_already_copied(flux_run):
+    m, x, ref, tr, h = flux_run
+    with torch.no_grad():
+        m(*x)
+        m(*x)
+    last_compute = max(i for i, op in enumerate(tr.ops) if op.kind == "compute")
+    first_tag = f"group{h.stream_order[0]}"
+    tail = tr.ops[last_compute - 8:]
+    # the copy of the first streamed group was issued while the previous forward was still on its last group
+    assert any(op.kind == "h2d" and op.tag == first_tag for op in tr.ops[last_compute - 8:last_compute])
+    start = len(tr.ops)
+    with torch.no_grad():
+        m(*x)
+    new = tr.ops[start:]
+    first_c = next(i for i, op in enumerate(new) if op.kind == "compute")
+    assert not any(op.kind == "h2d" and op.tag == first_tag for op in new[:first_c]), "no second copy"
+    assert h.last.misses == 0
+    assert tail
+
+
+def test_ledger_bytes_per_forward_equal_streamed_groups_and_no_d2h(flux_run):
+    m, x, ref, tr, h = flux_run
+    expected = _streamed_bytes(h)
+    assert expected == h.stats()["streamed_bytes_per_forward"]
+    with torch.no_grad():
+        m(*x)
+        for _ in range(3):
+            m(*x)
+            assert h.last.h2d_bytes == expected
+            assert h.last.d2h_bytes == 0
+            assert h.last.misses == 0
+    assert tr.ledger.d2h_bytes == 0
+    assert not tr.kinds("d2h")
+
+
+def test_two_cfg_halves_per_step_each_stream_the_groups_once():
+    m = make_wan()
+    x, t = wan_inputs(batch=1)
+    x_u, _ = wan_inputs(batch=1, seed=1)
+    with torch.no_grad():
+        ref_c, ref_u = m(x, t), m(x_u, t)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 2, 1, BIG), tr, bandwidth=0)
+    expected = _streamed_bytes(h)
+    try:
+        with torch.no_grad():
+            for step in range(3):
+                out_c = m(x, t)
+                if step:
+                    assert h.last.h2d_bytes == expected and h.last.misses == 0
+                out_u = m(x_u, t)
+                assert h.last.h2d_bytes == expected and h.last.misses == 0
+                assert torch.equal(out_c, ref_c) and torch.equal(out_u, ref_u)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("cfg", [
+    PrefetchConfig(1, 1, 0, BIG),
+    PrefetchConfig(2, 1, 1, BIG),
+    PrefetchConfig(3, 2, 0, BIG),
+    PrefetchConfig(1, 3, 2, BIG),
+    PrefetchConfig(8, 1, 0, BIG),          # one group: stays in its slot
+])
+def test_outputs_bit_identical_flux(cfg):
+    m = make_flux(fp8_single=True)
+    x = flux_inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    h = apply_group_prefetch(m, cfg, _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(*x), ref)
+    finally:
+        h.remove()
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_outputs_bit_identical_wan_mixed_dtypes(inference):
+    m = make_wan(mixed=True)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    ctx = torch.inference_mode if inference else torch.no_grad
+    with ctx():                     # ComfyUI runs nodes and sampling in inference mode
+        h = apply_group_prefetch(m, PrefetchConfig(2, 1, 0, BIG), _rec(), bandwidth=0)
+        try:
+            assert {d for d in h.store.arenas} == {torch.float32, torch.bfloat16}
+            for _ in range(3):
+                assert torch.equal(m(x, t), ref)
+            assert not any(p.is_inference() for p in m.parameters())
+        finally:
+            h.remove()
+
+
+def test_quantized_bytes_stream_as_quantized_bytes():
+    m = make_flux(fp8_single=True)
+    fp8_bytes = sum(b.linear1.weight.numel() for b in m.single_blocks)   # 1 byte each
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG), tr, bandwidth=0)
+    try:
+        arena = h.store.arenas[torch.float8_e4m3fn]
+        assert fp8_bytes <= arena.numel() < fp8_bytes + 64 * len(m.single_blocks)
+        with torch.no_grad():
+            m(*flux_inputs())
+            m(*flux_inputs())
+        fp8_copies = sum(sl.numel() for g in h.stream_order for d, sl in h.groups[g].host.items()
+                         if d == torch.float8_e4m3fn)
+        assert fp8_copies == arena.numel()
+        assert m.single_blocks[0].linear1.weight.dtype == torch.float8_e4m3fn   # still fp8 on the host
+    finally:
+        h.remove()
+
+
+def test_resident_groups_never_exceed_the_budget():
+    m = make_wan(n=8)
+    layout_bytes = None
+    seen = []
+    for budget in (60_000, 120_000, 200_000, 400_000):
+        tr = _rec()
+        try:
+            h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget), tr, bandwidth=0)
+        except BudgetExceeded:
+            seen.append(None)
+            continue
+        try:
+            s = h.stats()
+            assert s["device_bytes_planned"] <= budget
+            assert s["resident_bytes"] + s["slot_bytes"] <= budget
+            layout_bytes = h.store.block_bytes()
+            seen.append(s["resident_groups"])
+            with torch.no_grad():
+                m(*wan_inputs())
+        finally:
+            h.remove()
+    resident = [r for r in seen if r is not None]
+    assert resident == sorted(resident) and resident[-1] > resident[0]
+    assert layout_bytes is not None
+
+
+def test_budget_too_small_raises_budget_exceeded():
+    m = make_wan()
+    with pytest.raises(BudgetExceeded, match="Raise the VRAM budget"):
+        apply_group_prefetch(m, PrefetchConfig(1, 1, 0, 1000), _rec(), bandwidth=0)
+    # nothing left behind
+    assert not m._forward_pre_hooks and not m.blocks[0]._forward_pre_hooks
+
+
+def test_remove_restores_the_module_exactly():
+    m = make_flux(fp8_single=True)
+    params = {n: p for n, p in m.named_parameters()}
+    before = {n: (t.clone(), t.stride(), t.dtype, t.device, t.requires_grad) for n, t in m.state_dict(keep_vars=True).items()}
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 1, BIG), _rec(), bandwidth=0)
+    with torch.no_grad():
+        m(*flux_inputs())
+    h.remove()
+    h.remove()   # idempotent
+    assert {n: p for n, p in m.named_parameters()} == params          # same Parameter objects
+    for n, t in m.state_dict(keep_vars=True).items():
+        v, stride, dtype, device, rg = before[n]
+        assert t.dtype == dtype and t.device == device and t.stride() == stride and t.requires_grad == rg
+        assert torch.equal(t.float(), v.float()), n
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() or t.numel() == 0  # own storage
+    for mod in m.modules():
+        assert not mod._forward_pre_hooks and not mod._forward_hooks
+
+
+def test_blocks_called_out_of_order_are_still_correct():
+    m = make_wan()
+    x, t = wan_inputs()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG), _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            e = m.time_embedding(t.reshape(-1, 1, 1)).reshape(x.shape[0], 6, -1)
+            hx = m.patch_embedding(x)
+            out = m.blocks[4](hx, e)          # a block outside any forward of the root
+        h.remove()
+        with torch.no_grad():
+            ref = m.blocks[4](hx, e)
+        assert torch.equal(out, ref)
+    finally:
+        h.remove()
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match="blocks_per_group"):
+        PrefetchConfig(blocks_per_group=0)
+    with pytest.raises(ConfigError, match="prefetch_depth"):
+        PrefetchConfig(prefetch_depth="two")
+    assert PrefetchConfig(resident_groups="Auto").resident_groups == AUTO
+
+
+def test_simulated_time_respects_the_floor():
+    # compute-bound: copies hide behind compute
+    t = simulate_forward(0.0, [1.0] * 6, [0.2] * 6, depth=1)
+    assert t == pytest.approx(6.0)
+    # transfer-bound: time is the copies
+    t = simulate_forward(0.0, [0.1] * 6, [1.0] * 6, depth=2)
+    assert t == pytest.approx(6.0, rel=0.05)
+    # never below the floor
+    for depth in (1, 2, 3):
+        t = simulate_forward(0.5, [0.3, 0.1, 0.4], [0.2, 0.5, 0.1], depth=min(depth, 2))
+        assert t >= max(0.5 + 0.8, 0.8) - 1e-9
+
+
+def test_auto_plan_uses_measured_compute_to_choose_groups():
+    m = make_wan(n=8)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, 150_000), tr, bandwidth=1e9)
+    try:
+        first = h.plan
+        assert first.predicted_s is None                      # before any compute is measured
+        with torch.no_grad():
+            m(*wan_inputs())
+            out = m(*wan_inputs())                            # re-planned from the first forward
+        s = h.stats()
+        assert h.block_compute_s is not None and len(h.block_compute_s) == 8
+        assert s["predicted_s"] is not None and s["floor_s"] is not None
+        assert s["predicted_s"] >= s["floor_s"] * 0.999
+        assert s["device_bytes_planned"] <= 150_000
+        assert "floor max(compute, transfer)" in h.report()
+        with torch.no_grad():
+            assert torch.equal(m(*wan_inputs()), out)
+        # the planner, given the same measurements, is deterministic and within budget
+        again = plan_groups(h.store, h.config, 150_000, h.remainder_bytes, 1e9, h.block_compute_s, h.other_compute_s)
+        assert (again.blocks_per_group, again.prefetch_depth, again.resident_groups) == \
+               (h.plan.blocks_per_group, h.plan.prefetch_depth, h.plan.resident_groups)
+    finally:
+        h.remove()
+
+
+def test_planner_prefers_streaming_less_when_the_bus_is_slow():
+    m = make_wan(n=8)
+    h = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, BIG), _rec(), bandwidth=0)
+    try:
+        store, rem = h.store, h.remainder_bytes
+        total = sum(store.block_bytes())
+        budget = rem + total // 2
+        compute = [1e-3] * 8
+        fast = plan_groups(store, PrefetchConfig(), budget, rem, 1e12, compute)
+        slow = plan_groups(store, PrefetchConfig(), budget, rem, 1e5, compute)
+        for p in (fast, slow):
+            assert p.device_bytes <= budget
+        assert slow.predicted_s > fast.predicted_s
+        assert fast.predicted_hidden == pytest.approx(1.0)
+    finally:
+        h.remove()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bit_identical_and_no_d2h():
+    from comfyui_levers.core.residency.transport import CudaTransport
+    m = make_flux(fp8_single=False)
+    x = flux_inputs()
+    ref_model = make_flux(fp8_single=False).cuda()
+    with torch.no_grad():
+        ref = ref_model(*(t.cuda() for t in x))
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_group_prefetch(m, PrefetchConfig(1, 2, 1, BIG), tr)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                out = m(*(t.cuda() for t in x))
+                assert torch.equal(out, ref)
+        assert h.last.d2h_bytes == 0
+        assert h.last.h2d_bytes == _streamed_bytes(h)
+        assert h.stats()["achieved_s"] is not None
+    finally:
+        h.remove()
+    assert all(p.device.type == "cpu" for p in m.parameters())
