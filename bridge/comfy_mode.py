@@ -1,0 +1,67 @@
+"""What the running ComfyUI already does with memory (feature detection, never version checks)."""
+from __future__ import annotations
+
+import sys
+
+
+def _mm():
+    return sys.modules.get("comfy.model_management")
+
+
+def dynamic_vram_active() -> bool:
+    """DynamicVRAM (comfy-aimdo) streams weights itself: a dynamic patcher class is installed and on."""
+    mem = sys.modules.get("comfy.memory_management")
+    if mem is not None and getattr(mem, "aimdo_enabled", False):
+        return True
+    mp = sys.modules.get("comfy.model_patcher")
+    dyn = getattr(mp, "ModelPatcherDynamic", None) if mp else None
+    return bool(dyn is not None and getattr(mp, "CoreModelPatcher", None) is dyn)
+
+
+def patcher_is_dynamic(patcher) -> bool:
+    fn = getattr(patcher, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def comfy_mode() -> dict:
+    """A dict of facts plus ``notes`` lines for the Recommend report."""
+    mm = _mm()
+    if mm is None:
+        return {}
+    args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
+    facts = {
+        "dynamic_vram": dynamic_vram_active(),
+        "async_offload_streams": int(getattr(mm, "NUM_STREAMS", 0) or 0),
+        "pinned_memory": bool(getattr(mm, "MAX_PINNED_MEMORY", 0) and getattr(mm, "MAX_PINNED_MEMORY", 0) > 0),
+        "vram_state": getattr(getattr(mm, "vram_state", None), "name", "unknown"),
+        "cpu": bool(getattr(args, "cpu", False)),
+        "lowvram_flag": bool(getattr(args, "lowvram", False)),
+        "reserve_vram_gb": getattr(args, "reserve_vram", None),
+    }
+    notes = []
+    if facts["dynamic_vram"]:
+        notes.append("ComfyUI DynamicVRAM is active: it streams weights into VRAM per module itself; "
+                     "Levers keeps its accounting true and only adds what DynamicVRAM lacks")
+    if facts["async_offload_streams"]:
+        notes.append(f"ComfyUI async offload: {facts['async_offload_streams']} stream(s) for its own lowvram casting")
+    if facts["pinned_memory"]:
+        notes.append("ComfyUI pins offloaded weights itself (Levers never registers them twice)")
+    if facts["lowvram_flag"] and facts["dynamic_vram"]:
+        notes.append("--lowvram has no effect under DynamicVRAM")
+    facts["notes"] = tuple(notes)
+    return facts
+
+
+def comfy_device_facts() -> dict:
+    """ComfyUI's own view of the torch device and its memory."""
+    mm = _mm()
+    if mm is None:
+        return {}
+    dev = mm.get_torch_device()
+    out = {"device": str(dev), "is_cpu": getattr(dev, "type", str(dev)) == "cpu"}
+    try:
+        out["total_bytes"] = int(mm.get_total_memory(dev))
+        out["free_bytes"] = int(mm.get_free_memory(dev))
+    except (RuntimeError, AttributeError, TypeError):
+        pass
+    return out

@@ -1,0 +1,147 @@
+"""Recommend inside ComfyUI: measure the connected MODEL / CLIP / VAE and plan with ComfyUI's facts."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..core.errors import IncompatibleInput
+from ..core.presets import ModelSpec, PRESETS, get_preset
+from ..core.probe import Machine, probe
+from .comfy_mode import comfy_device_facts, comfy_mode
+
+# ComfyUI model classes (comfy.model_base / diffusion module names) -> preset family and closest preset.
+_FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("wan", "wan", "wan2.1-14b"),
+             ("hunyuanvideo", "hunyuan", "hunyuanvideo"), ("hunyuan_video", "hunyuan", "hunyuanvideo"),
+             ("qwen", "qwen", "qwen-image"), ("ltx", "ltxv", "ltxv"), ("lightricks", "ltxv", "ltxv"),
+             ("mmdit", "sd3", "sd3.5-large"), ("sd3", "sd3", "sd3.5-large"), ("sdxl", "sdxl", "sdxl"),
+             ("unet", "sdxl", "sdxl")]
+
+
+def require_model(model, name: str = "model"):
+    """A MODEL input must be a ComfyUI ModelPatcher around a diffusion model."""
+    if model is None or not hasattr(model, "model") or not hasattr(getattr(model, "model"), "diffusion_model"):
+        raise IncompatibleInput(name, "a MODEL (from Load Diffusion Model / Load Checkpoint)", model,
+                                "Connect the MODEL output of a loader, not a CLIP, VAE or other value.")
+    return model
+
+
+def require_clip(clip, name: str = "clip"):
+    if clip is None or not hasattr(clip, "cond_stage_model"):
+        raise IncompatibleInput(name, "a CLIP (from a CLIP/text-encoder loader)", clip,
+                                "Connect the CLIP output of Load CLIP / DualCLIPLoader / Load Checkpoint.")
+    return clip
+
+
+def require_vae(vae, name: str = "vae"):
+    if vae is None or not hasattr(vae, "first_stage_model"):
+        raise IncompatibleInput(name, "a VAE (from Load VAE / Load Checkpoint)", vae, "Connect the VAE output of a loader.")
+    return vae
+
+
+def _param_stats(module: torch.nn.Module) -> tuple[int, int, dict]:
+    seen, params, nbytes, by_dtype = set(), 0, 0, {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        params += t.numel()
+        nbytes += t.numel() * t.element_size()
+        by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + t.numel() * t.element_size()
+    return params, nbytes, by_dtype
+
+
+def _blocks(dm: torch.nn.Module) -> list[torch.nn.Module]:
+    """Repeated transformer blocks: the ModuleList children that hold most parameters."""
+    names = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "joint_blocks", "layers",
+             "input_blocks", "output_blocks")
+    out = []
+    for n in names:
+        ml = getattr(dm, n, None)
+        if isinstance(ml, torch.nn.ModuleList):
+            out.extend(list(ml))
+    return out
+
+
+def _family(model) -> tuple[str, str]:
+    text = " ".join([type(model.model).__name__, type(model.model.diffusion_model).__name__,
+                     type(model.model.diffusion_model).__module__]).lower()
+    for frag, fam, preset in _FAMILIES:
+        if frag in text:
+            return fam, preset
+    return "custom", "flux1-dev"
+
+
+def _hidden(dm: torch.nn.Module) -> int:
+    """Most common Linear in_features inside blocks: the residual width."""
+    counts: dict[int, int] = {}
+    for m in dm.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            counts[w.shape[1]] = counts.get(w.shape[1], 0) + 1
+    return max(counts, key=counts.get) if counts else 1024
+
+
+def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple[ModelSpec, list[str]]:
+    """A ModelSpec from the connected models (measured numbers win over the preset's)."""
+    notes = []
+    if model is not None:
+        require_model(model)
+    if clip is not None:
+        require_clip(clip)
+    if vae is not None:
+        require_vae(vae)
+    family = None
+    if preset and preset != "auto":
+        spec = get_preset(preset)
+    elif model is not None:
+        family, base = _family(model)
+        spec = PRESETS[base]
+        notes.append(f"model family detected: {family} (preset {base} supplies token and VAE geometry)")
+    else:
+        spec = get_preset("flux1-dev")
+        notes.append("no preset and no MODEL connected: planning for flux1-dev")
+    upd: dict = {}
+    if model is not None:
+        dm = model.model.diffusion_model
+        params, nbytes, by_dtype = _param_stats(dm)
+        blocks = _blocks(dm)
+        block_params = sum(_param_stats(b)[0] for b in blocks)
+        scale = params / spec.dit_params if spec.dit_params else 1.0
+        upd.update(dit_params=float(params), dit_kept_params=spec.dit_kept_params * scale,
+                   dit_kept_params_4bit=spec.dit_kept_params_4bit * scale, hidden=_hidden(dm),
+                   n_blocks=max(1, len(blocks)), block_fraction=(block_params / params) if params and blocks else 0.9,
+                   dit_dtype_bytes=max(1, round(nbytes / max(1, params))), measured=True)
+        if family:
+            upd["family"] = family
+        upd["name"] = f"{spec.name} (measured: {params / 1e9:.2f} B params, " + \
+            ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in by_dtype.items()) + ")"
+        notes.append(f"diffusion model measured: {params / 1e9:.3f} B params in {len(blocks)} blocks, "
+                     + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in by_dtype.items()))
+    if clip is not None:
+        params, nbytes, _ = _param_stats(clip.cond_stage_model)
+        upd.update(te_params=float(params), te_dtype_bytes=max(1, round(nbytes / max(1, params))))
+        notes.append(f"text encoder measured: {params / 1e9:.3f} B params ({nbytes / 2**30:.2f} GiB)")
+    if vae is not None:
+        params, nbytes, _ = _param_stats(vae.first_stage_model)
+        upd.update(vae_params=float(params), latent_channels=int(getattr(vae, "latent_channels", spec.latent_channels)))
+        ratio = getattr(vae, "upscale_ratio", None)
+        if isinstance(ratio, int):
+            upd["vae_spatial"] = ratio
+        elif isinstance(ratio, tuple) and len(ratio) == 3 and isinstance(ratio[1], int):
+            upd["vae_spatial"] = ratio[1]
+        notes.append(f"VAE measured: {params / 1e6:.1f} M params")
+    return dataclasses.replace(spec, **upd), notes
+
+
+def machine_for_comfy(base: Machine | None = None) -> Machine:
+    """The probed machine, with ComfyUI's device view and mode folded in. A ComfyUI running with
+    --cpu plans for the CPU even when a GPU exists."""
+    base = base or probe()
+    facts = comfy_mode()
+    dev = comfy_device_facts()
+    gpus = base.gpus
+    if dev.get("is_cpu"):
+        gpus = ()
+    return dataclasses.replace(base, gpus=gpus, comfyui={**facts, **{f"device_{k}": v for k, v in dev.items()}})

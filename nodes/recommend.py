@@ -1,0 +1,64 @@
+"""LeversRecommend: which precision / placement / residency plan fits this machine."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..bridge.recommend import machine_for_comfy, measure
+from ..core.plan import Workload, plan
+from ..core.presets import PRESETS
+from ..core.probe import synthetic_machine
+from ..core.report import format_plan
+
+PLAN = io.Custom("LEVERS_PLAN")
+
+
+class LeversRecommend(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LeversRecommend",
+            display_name="Recommend",
+            category="Levers",
+            description="Probes VRAM, host RAM, host->GPU bandwidth and libraries, sizes weights, activations and the "
+                        "VAE peak, and returns the plan that fits (precision, device, residency, pinning, streaming, "
+                        "tiling) with predicted peak memory and extra seconds.",
+            inputs=[
+                io.Combo.Input("model_preset", options=["auto"] + list(PRESETS), default="auto",
+                               tooltip="auto: measure the connected MODEL/CLIP/VAE (family detected from the model); "
+                                       "or a preset when nothing is connected."),
+                io.Int.Input("width", default=1024, min=64, max=16384, step=8, tooltip="Output width in pixels."),
+                io.Int.Input("height", default=1024, min=64, max=16384, step=8, tooltip="Output height in pixels."),
+                io.Int.Input("frames", default=1, min=1, max=1025, tooltip="Video frames (1 for images)."),
+                io.Int.Input("steps", default=28, min=1, max=1000, tooltip="Sampling steps."),
+                io.Int.Input("batch", default=1, min=1, max=64, tooltip="Images/videos per run."),
+                io.Combo.Input("goal", options=["balanced", "quality", "speed", "fit"], default="balanced",
+                               tooltip="balanced: least lossy plan within 25% of the fastest; quality: least lossy "
+                                       "that fits; speed: fastest; fit: smallest peak, streaming last."),
+                io.Float.Input("vram_gb", default=0.0, min=0.0, max=4096.0, step=0.5,
+                               tooltip="Plan for a card with this much memory (GiB). 0 = probe this machine."),
+                io.Float.Input("ram_gb", default=0.0, min=0.0, max=65536.0, step=1.0,
+                               tooltip="Host RAM available (GiB). 0 = probe."),
+                io.Model.Input("model", optional=True, tooltip="Measure this diffusion model instead of a preset."),
+                io.Clip.Input("clip", optional=True, tooltip="Measure this text encoder."),
+                io.Vae.Input("vae", optional=True, tooltip="Measure this VAE."),
+            ],
+            outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
+                model=None, clip=None, vae=None) -> io.NodeOutput:
+        spec, notes = measure(model, clip, vae, preset=model_preset)
+        machine = machine_for_comfy()
+        if vram_gb or ram_gb:
+            machine = synthetic_machine(vram_gb or None, ram_gb or None, None, base=machine)
+        result = plan(spec, Workload(width=width, height=height, frames=frames, steps=steps, batch=batch), machine, goal)
+        if notes:
+            import dataclasses
+
+            result = dataclasses.replace(result, notes=tuple(notes) + result.notes)
+        report = format_plan(result, machine)
+        return io.NodeOutput(result, report, ui=ui.PreviewText(report))
+
+
+NODES = [LeversRecommend]
