@@ -513,6 +513,200 @@ def _same_inner(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(getattr(a, n).data_ptr() == getattr(b, n).data_ptr() for n in names)
 
 
+# --- masters for a module someone else moves (ComfyUI's ModelPatcher) -------------------------------
+
+@dataclass
+class _Master:
+    host: torch.Tensor              # the host tensor (shares storage with what the module held)
+    dev_ptr: int = 0                # data_ptr of the device copy we made (0: none outstanding)
+    dev_obj: int = 0                # id() of the tensor object we bound it to
+    dev_version: int | None = None  # that object's _version right after binding
+
+
+def _named_tensor_slots(root: torch.nn.Module, prefix: str = ""):
+    """(name, owner, attr, is_param, tensor) for every param/buffer under ``root``, tied ones too."""
+    for mod_name, mod in root.named_modules(prefix=prefix, remove_duplicate=False):
+        for table, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for attr, t in table.items():
+                if t is not None:
+                    yield (f"{mod_name}.{attr}" if mod_name else attr), mod, attr, is_param, t
+
+
+class MasterTable:
+    """Host masters for a module whose placement another memory manager drives.
+
+    ComfyUI's ModelPatcher decides when and which modules move; this table only makes the moves
+    cheap and keeps them exact:
+
+    - ``capture(root)``: every plain tensor in host memory becomes (or stays) its own master:
+      no copy, pinned once through the store;
+    - ``onload(module)``: tensors still bound to their master are copied through the transport
+      and rebound to the copy;
+    - ``offload(module)``: tensors still bound to *our* device copy (same object, same pointer,
+      same version: nothing patched them) are rebound to their master: zero bytes. Everything
+      else (patched, replaced, quantized subclasses) is left to the manager's own copy.
+    """
+
+    def __init__(self, root: torch.nn.Module, component: str, transport: Transport,
+                 store: PinnedStore | None = None) -> None:
+        self.root = root
+        self.component = component
+        self.transport = transport
+        self.store = store or PinnedStore(transport)
+        self.masters: dict[str, _Master] = {}
+        self.prefixes: dict[int, str] = {}
+        self.swapped_bytes = 0                  # offloaded by pointer swap, cumulative
+        self.pin_outcome: PinOutcome | None = None
+
+    def _prefix(self, module: torch.nn.Module) -> str | None:
+        if id(module) not in self.prefixes:
+            self.prefixes = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+        return self.prefixes.get(id(module))
+
+    def capture(self) -> int:
+        """Adopt host-resident plain tensors as masters (zero copy); pin new ones. Returns count."""
+        fresh = 0
+        for name, _, _, _, t in _named_tensor_slots(self.root):
+            if t.device.type != "cpu" or is_traceable_wrapper_subclass(t) or not t.is_contiguous():
+                continue
+            m = self.masters.get(name)
+            if m is not None and m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape \
+                    and m.host.dtype == t.dtype:
+                continue
+            with torch.inference_mode(False):
+                self.masters[name] = _Master(host=t.detach())
+            fresh += 1
+        if fresh:
+            uniq = {m.host.data_ptr(): (n, m.host) for n, m in self.masters.items()}
+            self.pin_outcome = self.store.pin_component(self.component, group_by_storage(uniq.values()))
+        return fresh
+
+    def onload(self, module: torch.nn.Module, device: torch.device | None = None) -> tuple[int, int]:
+        """Copy the masters of tensors under ``module`` that are bound to them, and rebind.
+
+        Returns (bytes moved, tensors left for the manager: no master, and not on ``device``)."""
+        prefix = self._prefix(module)
+        if prefix is None:
+            return 0, 0
+        moved, left = 0, 0
+        tag = f"onload:{self.component}"
+        with torch.inference_mode(False), torch.no_grad():
+            # device buffers come from the compute stream's pool; the copy stream must not write
+            # into memory that compute issued earlier may still read
+            self.transport.wait_compute(tag)
+            done: set[int] = set()
+            for name, _, _, _, t in _named_tensor_slots(module, prefix):
+                m = self.masters.get(name)
+                if t.data_ptr() in done:
+                    continue                                      # a tied twin, already rebound
+                if m is None or t.data_ptr() != m.host.data_ptr() or t.shape != m.host.shape:
+                    if not (m is not None and m.dev_ptr == t.data_ptr()) and (device is None or t.device != device):
+                        left += 1
+                    continue
+                dev = self.transport.copy_to_device(m.host, self.transport.empty(tuple(m.host.shape), m.host.dtype),
+                                                    tag=tag)
+                rebind(t, dev)
+                m.dev_ptr, m.dev_obj, m.dev_version = dev.data_ptr(), id(t), _version(t)
+                done.add(dev.data_ptr())
+                moved += tensor_nbytes(m.host)
+            if moved:
+                # compute must not read a weight before its copy has landed
+                self.transport.wait(self.transport.record(tag), tag)
+        return moved, left
+
+    def offload(self, module: torch.nn.Module) -> tuple[int, int]:
+        """Rebind tensors under ``module`` still bound to our device copy back to their masters.
+
+        Returns (bytes swapped, tensors left for the manager to copy)."""
+        prefix = self._prefix(module)
+        if prefix is None:
+            return 0, 0
+        swapped, left = 0, 0
+        with torch.inference_mode(False), torch.no_grad():
+            for name, _, _, _, t in _named_tensor_slots(module, prefix):
+                m = self.masters.get(name)
+                if t.data_ptr() == (m.host.data_ptr() if m else -1):
+                    continue                                      # already home (tied twin)
+                if (m is not None and m.dev_ptr and t.data_ptr() == m.dev_ptr and id(t) == m.dev_obj
+                        and _version(t) == m.dev_version and t.shape == m.host.shape):
+                    rebind(t, m.host)
+                    m.dev_ptr = 0
+                    swapped += tensor_nbytes(m.host)
+                elif t.device.type != "cpu":
+                    left += 1
+        self.swapped_bytes += swapped
+        return swapped, left
+
+    def release(self) -> None:
+        """Forget the masters and unpin what was pinned for them."""
+        self.store.release(self.component)
+        self.masters.clear()
+
+
+def _parse_to_device(args, kwargs) -> torch.device | None:
+    """The device of a ``Module.to(...)`` call that only changes device, else None."""
+    try:
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+    except (TypeError, RuntimeError):
+        return None
+    if device is None or dtype is not None or fmt is not None:
+        return None
+    return device
+
+
+@contextlib.contextmanager
+def swap_module_to(table: MasterTable, load_device: torch.device, offload_device: torch.device,
+                   on_move=None) -> Iterator[None]:
+    """While active, ``m.to(load_device)`` / ``m.to(offload_device)`` on any module under the table's
+    root goes through the table (transport copy in, pointer swap out) before the real ``Module.to``
+    handles whatever is left. Installed as instance attributes and removed on exit.
+
+    ``on_move(direction, bytes_moved, bytes_swapped)`` is told about each intercepted call.
+    """
+    load_device, offload_device = torch.device(load_device), torch.device(offload_device)
+    real_to = torch.nn.Module.to
+
+    def _norm(d: torch.device) -> torch.device:
+        if d.type == "cuda" and d.index is None:
+            return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        return d
+
+    load_n, off_n = _norm(load_device), _norm(offload_device)
+
+    def make(module: torch.nn.Module):
+        def to(*args, **kwargs):
+            dev = _parse_to_device(args, kwargs)
+            if dev is None or load_n == off_n:
+                return real_to(module, *args, **kwargs)
+            dev = _norm(dev)
+            if dev == load_n:
+                moved, left = table.onload(module, dev)
+                if on_move:
+                    on_move("onload", moved, 0)
+                if not left:
+                    return module                                 # everything is there already
+            elif dev == off_n:
+                swapped, left = table.offload(module)
+                if on_move:
+                    on_move("offload", 0, swapped)
+                if not left:
+                    return module
+            return real_to(module, *args, **kwargs)
+        return to
+
+    installed = []
+    try:
+        for m in table.root.modules():
+            if "to" not in m.__dict__:
+                object.__setattr__(m, "to", make(m))
+                installed.append(m)
+        yield
+    finally:
+        for m in installed:
+            if m.__dict__.get("to") is not None:
+                del m.__dict__["to"]
+
+
 def apply_phase_offload(module: torch.nn.Module, config: PhaseConfig | None = None,
                         transport: Transport | None = None, store: PinnedStore | None = None) -> PhaseHandle:
     """Put ``module`` under phase offload and return its handle (module starts offloaded).
@@ -531,5 +725,5 @@ def apply_phase_offload(module: torch.nn.Module, config: PhaseConfig | None = No
     return PhaseHandle(module, config, transport, store)
 
 
-__all__ = ["PhaseConfig", "PhaseHandle", "PhaseLedger", "PhaseRecord", "PinMode", "apply_phase_offload",
-           "rebind", "tensor_nbytes"]
+__all__ = ["MasterTable", "PhaseConfig", "PhaseHandle", "PhaseLedger", "PhaseRecord", "PinMode",
+           "apply_phase_offload", "rebind", "swap_module_to", "tensor_nbytes"]

@@ -1,0 +1,109 @@
+"""MasterTable + swap_module_to: the seam ComfyUI's own ``Module.to`` calls go through.
+
+The "device" here is a label: the CPU transport makes the copies, so ``.to("cuda:0")`` is
+intercepted and never reaches torch. Pointer identity means the same thing as on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from comfyui_levers.core.residency.phase import MasterTable, swap_module_to
+from comfyui_levers.core.residency.transport import CpuTransport, RecordingTransport
+
+DEV = torch.device("cuda", 0)   # never touched: every tensor has a master, so the table handles all
+CPU = torch.device("cpu")
+
+
+def _model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16, bias=False))
+    m[3].weight = m[0].weight                                # tied, as text encoders do
+    m.register_buffer("scale", torch.full((16,), 0.5))
+    return m.eval()
+
+
+def _table(m):
+    tr = RecordingTransport(CpuTransport())
+    t = MasterTable(m, "dit", tr)
+    t.capture()
+    return t, tr
+
+
+def _ptrs(m):
+    return {n: t.data_ptr() for n, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]}
+
+
+def test_whole_module_round_trip_is_a_copy_in_and_a_pointer_swap_out():
+    m = _model()
+    ids = torch.tensor([[1, 2, 3]])
+    want = m(ids) * m.scale
+    home = _ptrs(m)
+    table, tr = _table(m)
+    moves = []
+    with swap_module_to(table, DEV, CPU, on_move=lambda *a: moves.append(a)):
+        for _ in range(3):
+            m.to(DEV)
+            assert all(_ptrs(m)[n] != p for n, p in home.items())
+            assert m[3].weight is m[0].weight                 # tied stays tied
+            assert torch.equal(m(ids) * m.scale, want)
+            m.to(CPU)
+            assert _ptrs(m) == home                           # pointer swap back to the masters
+    assert tr.ledger.d2h_bytes == 0
+    total = sum(t.nbytes for t in {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]}.values())
+    assert tr.ledger.h2d_bytes == 3 * total
+    assert [mv[0] for mv in moves] == ["onload", "offload"] * 3
+    assert all(mv[2] == total for mv in moves if mv[0] == "offload")
+    assert not any("to" in mod.__dict__ for mod in m.modules())     # the seam is gone
+
+
+def test_per_module_moves_touch_only_that_module():
+    m = _model()
+    table, tr = _table(m)
+    with swap_module_to(table, DEV, CPU):
+        m[1].to(DEV)
+        assert tr.ledger.h2d_bytes == m[1].weight.nbytes + m[1].bias.nbytes
+        assert m[2].weight.data_ptr() == table.masters["2.weight"].host.data_ptr()
+        m[1].to(CPU)
+    assert m[1].weight.data_ptr() == table.masters["1.weight"].host.data_ptr()
+    assert tr.ledger.d2h_bytes == 0
+
+
+def test_weights_the_manager_patched_are_left_to_its_own_copy():
+    m = _model()
+    table, _ = _table(m)
+    backup = m[1].weight                                     # ComfyUI keeps the original as its backup
+    # ComfyUI's LoRA path, in its order: patch first (a new Parameter), then move the module
+    m[1].weight = nn.Parameter(backup.detach() + 1.0, requires_grad=False)
+    moved, left = table.onload(m, DEV)
+    assert left == 1                                         # the patched weight is ComfyUI's to move
+    assert backup.data_ptr() == table.masters["1.weight"].host.data_ptr()
+    with torch.no_grad():
+        m[2].weight.add_(1.0)                                # an in-place patch on our device copy
+    patched_1, patched_2 = m[1].weight.data_ptr(), m[2].weight.data_ptr()
+    swapped, _ = table.offload(m)
+    assert m[1].weight.data_ptr() == patched_1               # never swapped to a stale master
+    assert m[2].weight.data_ptr() == patched_2
+    assert m[0].weight.data_ptr() == table.masters["0.weight"].host.data_ptr()
+    assert swapped == moved - m[2].weight.nbytes
+    # ComfyUI restores its backup; the next load keeps that master and adopts the patched one
+    m[1].weight = nn.Parameter(backup, requires_grad=False)
+    assert table.capture() == 1
+    assert table.masters["2.weight"].host.data_ptr() == patched_2
+    assert table.masters["1.weight"].host.data_ptr() == backup.data_ptr()
+
+
+def test_non_device_to_calls_pass_through():
+    m = _model()
+    table, tr = _table(m)
+    with swap_module_to(table, DEV, CPU):
+        m.to(torch.float64)
+    assert m[1].weight.dtype == torch.float64 and tr.ledger.h2d_bytes == 0
+
+
+def test_same_load_and_offload_device_is_left_alone():
+    m = _model()
+    table, tr = _table(m)
+    with swap_module_to(table, CPU, CPU):
+        m.to(CPU)
+    assert tr.ledger.h2d_bytes == 0 and _ptrs(m)["1.weight"] == table.masters["1.weight"].host.data_ptr()
