@@ -1,0 +1,326 @@
+"""GroupPrefetch inside ComfyUI: stream the DiT's blocks while keeping ComfyUI's memory manager right.
+
+How it cooperates (legacy ModelPatcher path, ComfyUI 0.3.x-0.8 and later without DynamicVRAM):
+- Everything is installed on a clone through keyed wrappers: ``OUTER_SAMPLE`` scopes one
+  sampling run, ``DIFFUSION_MODEL`` attaches the engine on the first model call (after ComfyUI
+  has loaded and patched the model). Both undo what they did in ``finally``.
+- During the run, three instance attributes on the executing patcher (never on the class or the
+  shared module) make ComfyUI load only the non-streamed part: ``_load_list`` omits the streamed
+  blocks' modules, ``load`` never takes the full-load ``model.to(device)`` shortcut, and
+  ``model_size`` reports the non-streamed bytes so ``free_memory`` frees what will really be
+  loaded. ComfyUI's ``loaded_size`` is therefore the true resident size; after the run
+  ``model_size - loaded_size`` is exactly the streamed bytes, which do live on the host.
+- The engine's device slots are allocated after asking ComfyUI to ``free_memory`` for them, so
+  ComfyUI's free-memory readings include them; they are freed when the run ends.
+- Streamed weights are bound to device views before their block runs, so ComfyUI's per-op cast
+  (``cast_bias_weight`` -> ``cast_to``) finds them on the right device and returns them unchanged.
+- LoRA patches on streamed weights are applied by ComfyUI's own ``patch_weight_to_device`` on the
+  offload device (backed up and undone by ComfyUI as usual); the patched bytes are what streams.
+- Under DynamicVRAM, ComfyUI streams weights itself; this node stands aside and says so.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
+from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
+    measure_bandwidth
+from ..core.residency.transport import Transport, make_transport
+from .comfy_mode import dynamic_vram_active, patcher_is_dynamic
+
+log = logging.getLogger("levers")
+
+WRAPPER_KEY = "levers.group_prefetch"
+_GIB = 1024 ** 3
+
+# Host arenas survive between runs (packing and pinning cost ~0.6 s/GB): one per diffusion model.
+_STORES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], HostStore]]" = weakref.WeakKeyDictionary()
+_BANDWIDTH: dict[str, float] = {}
+
+
+def _gb(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= 0.01 * _GIB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class BridgeRequest:
+    """What the node asked for. ``budget_bytes`` None: derive it from ComfyUI's free memory."""
+
+    config: PrefetchConfig
+    budget_bytes: int | None = None
+
+
+def _diffusion_model(patcher) -> nn.Module:
+    return patcher.model.diffusion_model
+
+
+def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig) -> int:
+    """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots."""
+    n = len(block_bytes)
+    g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
+    d = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+    if cfg.resident_groups != AUTO:
+        return min(n, cfg.resident_groups * g)
+    for k in range(n, -1, -1):
+        rest = block_bytes[k:]
+        widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
+        if other_bytes + sum(block_bytes[:k]) + (d + 1) * widest <= budget:
+            return k
+    return 0
+
+
+class _Session:
+    """One sampling run of one patcher: scoped overrides, the attached engine, the report."""
+
+    def __init__(self, state: "PrefetchState", patcher, noise: torch.Tensor | None):
+        self.state = state
+        self.patcher = patcher
+        self.handle: PrefetchHandle | None = None
+        self.skip_reason: str | None = None
+        self.root = _diffusion_model(patcher)
+        self.layout: BlockLayout = find_blocks(self.root)
+        sizes = [module_bytes(m) for _, m in self.layout.blocks]
+        total = module_bytes(self.root)
+        other = total - sum(sizes)
+        self.budget = self._budget(noise)
+        self.k = _resident_blocks(sizes, other, self.budget, state.request.config)
+        self.streamed = self.layout.blocks[self.k:]
+        self.streamed_bytes = sum(sizes[self.k:])
+        self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
+        self._saved: dict[str, Any] = {}
+
+    # budget ----------------------------------------------------------------------------------
+    def _budget(self, noise) -> float:
+        req = self.state.request
+        if req.budget_bytes is not None:
+            return float(req.budget_bytes)
+        import comfy.model_management as mm
+        dev = self.patcher.load_device
+        if mm.is_device_cpu(dev):
+            return math.inf   # nothing to save on a CPU load device unless a budget was given
+        activations = 0
+        if noise is not None:
+            shape = [noise.shape[0] * 2] + list(noise.shape[1:])   # cond + uncond in one batch
+            activations = int(self.patcher.model.memory_required(shape))
+        free = mm.get_free_memory(dev) + self.patcher.loaded_size()
+        return max(0.0, free - activations - mm.minimum_inference_memory())
+
+    # scoped ComfyUI overrides ------------------------------------------------------------------
+    def install_load_overrides(self) -> None:
+        """Make ComfyUI load only the non-streamed part (instance attributes, removed in close)."""
+        if not self.streamed:
+            return
+        p = self.patcher
+        cls = type(p)
+        streamed_ids, streamed_bytes = self.streamed_ids, self.streamed_bytes
+        orig_load_list, orig_load, orig_size = cls._load_list, cls.load, cls.model_size
+
+        def _load_list(*args, **kwargs):
+            items = orig_load_list(p, *args, **kwargs)
+            return [x for x in items if not (isinstance(x[-2], nn.Module) and id(x[-2]) in streamed_ids)]
+
+        def load(device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kw):
+            # full load would end in model.to(device): streamed blocks too. Load "everything that
+            # fits" instead, which with the filtered list is exactly the non-streamed part.
+            if full_load or not lowvram_model_memory:
+                lowvram_model_memory = 1e32
+            self._reset_streamed_modules()
+            out = orig_load(p, device_to, lowvram_model_memory, force_patch_weights, False, **kw)
+            # part of the model is off the device: other clones must take the lowvram path
+            p.model.model_lowvram = True
+            return out
+
+        def model_size():
+            return max(0, orig_size(p) - streamed_bytes)
+
+        for name, fn in (("_load_list", _load_list), ("load", load), ("model_size", model_size)):
+            self._saved[name] = p.__dict__.get(name, _MISSING)
+            setattr(p, name, fn)
+
+    def _reset_streamed_modules(self) -> None:
+        """Drop lowvram cast state another clone may have left on streamed modules (its LoRA
+        patches would otherwise apply to ours)."""
+        import comfy.model_patcher as mp
+        wipe = getattr(mp, "wipe_lowvram_weight", None)
+        if wipe is None:
+            return
+        for _, block in self.streamed:
+            for m in block.modules():
+                wipe(m)
+
+    def remove_load_overrides(self) -> None:
+        for name, old in self._saved.items():
+            if old is _MISSING:
+                self.patcher.__dict__.pop(name, None)
+            else:
+                self.patcher.__dict__[name] = old
+        self._saved.clear()
+
+    # engine ------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """First model call of the run: ComfyUI has loaded and patched; stream the rest."""
+        if not self.streamed:
+            self.skip_reason = "everything fits the budget: nothing to stream"
+            return
+        dev = self.patcher.load_device
+        on_device = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu"]
+        if on_device and torch.device(dev).type != "cpu":
+            self.skip_reason = (f"ComfyUI already holds the streamed blocks on {dev} (loaded by another clone "
+                                f"of this model); streaming resumes after it is unloaded (Free model and node cache)")
+            return
+        self._patch_streamed_keys()
+        transport = make_transport(dev)
+        store = self._store(transport)
+        bandwidth = self._bandwidth(transport, store)
+        budget = self.budget - (module_bytes(self.root) - self.streamed_bytes) if not math.isinf(self.budget) \
+            else AUTO
+        if budget != AUTO:
+            budget = max(0, int(budget))
+            import comfy.model_management as mm
+            if not mm.is_device_cpu(dev):
+                mm.free_memory(budget, dev)   # ask ComfyUI for the slots' room before taking it
+        cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False)
+        layout = replace(self.layout, blocks=tuple(self.streamed))
+        self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
+                                           layout=layout)
+
+    def _patch_streamed_keys(self) -> None:
+        """LoRA and other weight patches on streamed weights, applied by ComfyUI itself on the
+        offload device (so they are backed up and undone by ComfyUI, and what streams is patched)."""
+        p = self.patcher
+        prefix = "diffusion_model."
+        for name, block in self.streamed:
+            for pname, _ in block.named_parameters():
+                key = f"{prefix}{name}.{pname}"
+                if key in p.patches and key not in p.backup:
+                    p.patch_weight_to_device(key, device_to=p.offload_device)
+
+    def _store(self, transport: Transport) -> HostStore:
+        ids = tuple(id(b) for _, b in self.streamed)
+        cached = _STORES.get(self.root)
+        if cached is not None and cached[0] == ids:
+            cached[1].refresh(transport)
+            return cached[1]
+        if cached is not None:
+            cached[1].restore(transport)
+        store = HostStore(self.streamed, transport, pin=self.state.request.config.pin)
+        _STORES[self.root] = (ids, store)
+        return store
+
+    @staticmethod
+    def _bandwidth(transport: Transport, store: HostStore) -> float:
+        key = str(transport.device)
+        if key not in _BANDWIDTH:
+            _BANDWIDTH[key] = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
+        return _BANDWIDTH[key]
+
+    def close(self) -> str:
+        report = self.report()
+        if self.handle is not None:
+            self.handle.remove()          # hooks off, slots freed; weights stay on their host views
+            self.handle = None
+        self.remove_load_overrides()
+        return report
+
+    def report(self) -> str:
+        head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; "
+                f"{self.k} kept loaded by ComfyUI, {len(self.streamed)} streamed ({_gb(self.streamed_bytes)}); "
+                f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
+        if self.skip_reason:
+            return f"{head}\nnot streaming this run: {self.skip_reason}."
+        if self.handle is None:
+            return head
+        return f"{head}\n{self.handle.report()}"
+
+
+_MISSING = object()
+
+
+class PrefetchState:
+    """Shared by a clone and its clones (``clone`` copies the wrapper lists, not this object; a
+    deep copy of the model options returns it unchanged too)."""
+
+    def __init__(self, request: BridgeRequest):
+        self.request = request
+        self.session: _Session | None = None
+        self.last_report = ""
+        self.last_stats: dict | None = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def outer_sample(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        patcher = guider.model_patcher
+        if patcher_is_dynamic(patcher) or dynamic_vram_active():
+            self.last_report = stand_aside_line()
+            return executor(*args, **kwargs)
+        noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
+        session = _Session(self, patcher, noise)
+        self.session = session
+        try:
+            session.install_load_overrides()
+            return executor(*args, **kwargs)
+        finally:
+            if session.handle is not None:
+                self.last_stats = session.handle.stats()
+            self.last_report = session.close()
+            self.session = None
+            log.info("levers: %s", self.last_report.replace("\n", " | "))
+
+    def diffusion_model(self, executor, *args, **kwargs):
+        s = self.session
+        if s is not None and s.handle is None and s.skip_reason is None:
+            s.attach()
+        return executor(*args, **kwargs)
+
+
+def stand_aside_line() -> str:
+    return ("GroupPrefetch stands aside: ComfyUI DynamicVRAM is active and already streams weights per module "
+            "with its own prefetch; two streamers would fight over VRAM. Start ComfyUI with "
+            "--disable-dynamic-vram to use GroupPrefetch instead.")
+
+
+def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None):
+    """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling."""
+    import comfy.patcher_extension as pe
+
+    clone = model.clone()
+    diffusion = getattr(getattr(clone, "model", None), "diffusion_model", None)
+    if diffusion is None:
+        from ..core.errors import IncompatibleInput
+        raise IncompatibleInput("model", "a diffusion MODEL (ModelPatcher with model.diffusion_model)", model)
+    layout = find_blocks(diffusion)
+    if patcher_is_dynamic(clone) or dynamic_vram_active():
+        return clone, stand_aside_line()
+    state = PrefetchState(BridgeRequest(config, budget_bytes))
+    clone.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    clone.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)
+    clone.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, state.diffusion_model)
+    sizes = [module_bytes(m) for _, m in layout.blocks]
+    lines = [f"GroupPrefetch installed: {len(sizes)} {layout.architecture} blocks, {_gb(sum(sizes))} in blocks, "
+             f"{_gb(module_bytes(diffusion) - sum(sizes))} outside them.",
+             f"settings: blocks_per_group={config.blocks_per_group}, prefetch_depth={config.prefetch_depth}, "
+             f"resident_groups={config.resident_groups}, VRAM budget="
+             f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}.",
+             "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "
+             "the first step's measured compute); the log line 'levers: GroupPrefetch ...' gives the achieved numbers."]
+    return clone, "\n".join(lines)
+
+
+def prefetch_state(model) -> PrefetchState | None:
+    """The state a GroupPrefetch clone carries (for tests and reports)."""
+    import comfy.patcher_extension as pe
+    for w in model.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY):
+        owner = getattr(w, "__self__", None)
+        if isinstance(owner, PrefetchState):
+            return owner
+    return None

@@ -1,0 +1,85 @@
+"""LeversGroupPrefetch: stream the diffusion model's blocks host->GPU with prefetch during sampling."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..bridge.prefetch import attach_group_prefetch
+from ..core.errors import ConfigError
+from ..core.residency.prefetch import AUTO, PrefetchConfig
+
+PLAN = io.Custom("LEVERS_PLAN")
+_GIB = 1024 ** 3
+
+
+def _auto(value: int, field: str, minimum: int):
+    """Node ints use -1 for auto (0 is a real value for resident_groups)."""
+    if value == -1:
+        return AUTO
+    if value < minimum:
+        raise ConfigError(field, value, f"-1 (auto) or an integer >= {minimum}")
+    return value
+
+
+def settings_from(plan, blocks_per_group: int, prefetch_depth: int, resident_groups: int, vram_budget_gb: float):
+    """Node inputs, falling back to the plan's streaming section for whatever is left on auto."""
+    g = _auto(blocks_per_group, "blocks_per_group", 1)
+    d = _auto(prefetch_depth, "prefetch_depth", 1)
+    r = _auto(resident_groups, "resident_groups", 0)
+    if vram_budget_gb < 0:
+        raise ConfigError("vram_budget_gb", vram_budget_gb, "0 (auto) or a positive number of GiB")
+    budget = int(vram_budget_gb * _GIB) if vram_budget_gb > 0 else None
+    if plan is not None:
+        dm = plan.diffusion_model
+        st = dm.streaming
+        if st is not None:
+            g = st.blocks_per_group if g == AUTO else g
+            d = st.prefetch_depth if d == AUTO else d
+            r = st.resident_groups if r == AUTO else r
+        if budget is None and dm.resident_bytes:
+            budget = int(dm.resident_bytes)
+    return PrefetchConfig(blocks_per_group=g, prefetch_depth=d, resident_groups=r), budget
+
+
+class LeversGroupPrefetch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LeversGroupPrefetch",
+            display_name="GroupPrefetch",
+            category="Levers",
+            description="Keeps a prefix of the diffusion model's blocks in VRAM and streams the rest from pinned host "
+                        "memory each step, copying group i+1 while group i computes. ComfyUI loads only the resident "
+                        "part, so its memory manager sees the true VRAM use. Output is bit-identical to the "
+                        "unstreamed model. Stands aside under ComfyUI DynamicVRAM.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to stream (the input is not modified; a clone "
+                                                "is returned)."),
+                io.Int.Input("blocks_per_group", default=-1, min=-1, max=512,
+                             tooltip="Blocks copied together. -1 = auto: chosen from the first step's measured compute "
+                                     "and the measured host->GPU bandwidth. Bigger groups hide copies behind more "
+                                     "compute but need bigger device slots."),
+                io.Int.Input("prefetch_depth", default=-1, min=-1, max=16,
+                             tooltip="Groups copied ahead of the one computing (device slots = depth + 1). -1 = auto."),
+                io.Int.Input("resident_groups", default=-1, min=-1, max=512,
+                             tooltip="Groups at the start of the model that stay in VRAM. 0 = stream every block. "
+                                     "-1 = auto: as many as fit the budget after the slots."),
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25,
+                               tooltip="VRAM (GiB) for this model's weights: resident part + slots. 0 = auto: ComfyUI's "
+                                       "free memory minus the activations of the batch being sampled (or the plan's "
+                                       "budget when a plan is connected)."),
+                PLAN.Input("plan", optional=True,
+                           tooltip="A Levers plan from Recommend: its streaming section fills the settings left on "
+                                   "auto and its diffusion-model VRAM share becomes the budget."),
+            ],
+            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0,
+                plan=None) -> io.NodeOutput:
+        config, budget = settings_from(plan, blocks_per_group, prefetch_depth, resident_groups, vram_budget_gb)
+        clone, report = attach_group_prefetch(model, config, budget_bytes=budget)
+        return io.NodeOutput(clone, report, ui=ui.PreviewText(report))
+
+
+NODES = [LeversGroupPrefetch]
