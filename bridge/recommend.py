@@ -110,7 +110,7 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple
         block_params = sum(_param_stats(b)[0] for b in blocks)
         scale = params / spec.dit_params if spec.dit_params else 1.0
         upd.update(dit_params=float(params), dit_kept_params=spec.dit_kept_params * scale,
-                   dit_kept_params_4bit=spec.dit_kept_params_4bit * scale, hidden=_hidden(dm),
+                   modulation_params=spec.modulation_params * scale, hidden=_hidden(dm),
                    n_blocks=max(1, len(blocks)), block_fraction=(block_params / params) if params and blocks else 0.9,
                    dit_dtype_bytes=max(1, round(nbytes / max(1, params))), measured=True)
         if family:

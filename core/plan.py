@@ -53,12 +53,13 @@ def bytes_per_param(precision: Precision) -> float:
             Precision.INT8: 1, Precision.NF4: 0.5 + 4 / 64}[precision]   # nf4: 4 bits + fp32 absmax per 64
 
 
-def dit_weight_bytes(spec: ModelSpec, precision: Precision) -> int:
-    """Diffusion-model bytes at ``precision``: the census keeps embedders/final layer (and for nf4 the
-    modulation linears) in 16-bit; fp8/int8 carry one fp32 scale per output row."""
+def dit_weight_bytes(spec: ModelSpec, precision: Precision, quantize_modulation: bool = False) -> int:
+    """Diffusion-model bytes at ``precision``: the census keeps embedders, norms and the final layer in
+    16-bit, and the adaLN/modulation linears too unless ``quantize_modulation``; fp8/int8 carry one
+    fp32 scale per output row, nf4 one fp32 absmax per 64 weights."""
     if not precision.is_quantized:
         return int(spec.dit_params * bytes_per_param(precision))
-    kept = spec.dit_kept_params_4bit if precision is Precision.NF4 else spec.dit_kept_params
+    kept = spec.dit_kept_params + (0 if quantize_modulation else spec.modulation_params)
     quantized = spec.dit_params - kept
     scales = 4 * quantized / spec.hidden if precision is not Precision.NF4 else 0
     return int(quantized * bytes_per_param(precision) + kept * 2 + scales)
@@ -96,7 +97,7 @@ def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, 
 def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
     """(linear, attention) FLOPs of one step. Modulation linears see one token, so they are left out."""
     n = spec.tokens(wl.width, wl.height, wl.frames)
-    tokenwise = spec.dit_params - (spec.dit_kept_params_4bit - spec.dit_kept_params)
+    tokenwise = spec.dit_params - spec.modulation_params
     mult = wl.batch * dit_passes(spec, wl)
     return 2 * tokenwise * n * mult, 4 * spec.n_blocks * n * n * spec.hidden * mult
 
@@ -126,6 +127,7 @@ class _DitOption:
     streaming: Streaming | None
     extra_seconds_per_gen: float     # streaming cost (phase moves are added later)
     step_seconds: float
+    quantize_modulation: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,9 @@ def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
 
 
 def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: Workload, machine: Machine,
-                   step_seconds: float, pinned: bool = True) -> Streaming | None:
+                   step_seconds: float, pinned: bool = True, quantize_modulation: bool = False) -> Streaming | None:
     """Block groups that fit ``dit_budget``: a resident prefix plus (depth + 1) streamed slots."""
-    total = dit_weight_bytes(spec, precision)
+    total = dit_weight_bytes(spec, precision, quantize_modulation)
     block_bytes = int(total * spec.block_fraction / spec.n_blocks)
     rest = total - block_bytes * spec.n_blocks
     bw = (machine.bandwidth.pinned_gbps if pinned else machine.bandwidth.pageable_gbps) * 1e9
@@ -187,20 +189,27 @@ def _dit_options(spec, wl, machine, budget, act, notes) -> list[_DitOption]:
     fp8c = bool(gpu and gpu.fp8_compute)
     opts = []
     for p in available_precisions(machine, notes):
-        wb = dit_weight_bytes(spec, p)
-        step = compute_seconds_per_step(spec, wl, machine, p, fp8c)
-        if wb + act <= budget:
-            opts.append(_DitOption(p, Residency.RESIDENT, wb, wb, None, 0.0, step))
-            opts.append(_DitOption(p, Residency.PHASE, wb, wb, None, 0.0, step))
-        st = plan_streaming(spec, p, budget - act, wl, machine, step)
-        if st is not None:
-            streamed = st.streamed_bytes_per_step
-            bw = machine.bandwidth.pinned_gbps * 1e9
-            streamed_compute = step * (st.n_blocks - st.resident_groups * st.blocks_per_group) / st.n_blocks
-            extra = wl.steps * max(0.0, streamed / bw - streamed_compute)
-            resident = wb - st.block_bytes * (st.n_blocks - st.resident_groups * st.blocks_per_group) \
-                + st.block_bytes * st.blocks_per_group * (st.prefetch_depth + 1)
-            opts.append(_DitOption(p, Residency.STREAMED, wb, min(wb, resident), st, extra, step))
+        for qmod in ((False, True) if p.is_quantized else (False,)):
+            opts.extend(_dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c))
+    return opts
+
+
+def _dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c) -> list[_DitOption]:
+    opts = []
+    wb = dit_weight_bytes(spec, p, qmod)
+    step = compute_seconds_per_step(spec, wl, machine, p, fp8c)
+    if wb + act <= budget:
+        opts.append(_DitOption(p, Residency.RESIDENT, wb, wb, None, 0.0, step, qmod))
+        opts.append(_DitOption(p, Residency.PHASE, wb, wb, None, 0.0, step, qmod))
+    st = plan_streaming(spec, p, budget - act, wl, machine, step, quantize_modulation=qmod)
+    if st is not None:
+        streamed = st.streamed_bytes_per_step
+        bw = machine.bandwidth.pinned_gbps * 1e9
+        streamed_compute = step * (st.n_blocks - st.resident_groups * st.blocks_per_group) / st.n_blocks
+        extra = wl.steps * max(0.0, streamed / bw - streamed_compute)
+        resident = wb - st.block_bytes * (st.n_blocks - st.resident_groups * st.blocks_per_group) \
+            + st.block_bytes * st.blocks_per_group * (st.prefetch_depth + 1)
+        opts.append(_DitOption(p, Residency.STREAMED, wb, min(wb, resident), st, extra, step, qmod))
     return opts
 
 
@@ -302,7 +311,7 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res, notes_out) -> _C
     if tiling is not None:
         extra += 0.15 * vae_peak / 1e9  # overlap recompute; small
     total = dit.step_seconds * wl.steps + extra
-    loss = LOSS_RANK[dit.precision] + te.loss
+    loss = LOSS_RANK[dit.precision] + te.loss + (0.25 if dit.quantize_modulation else 0.0)
     return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss)
 
 
@@ -319,9 +328,11 @@ def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
     # balanced: the least lossy plan among those within 25% (+1 s) of the fastest. fp8 wins where it makes
     # a run markedly faster (fp8 tensor cores on image DiTs, or avoiding slow streaming); lossless wins
     # where the difference is small (video DiTs are attention-bound; streaming that hides is free).
+    # Streaming every step also costs bus traffic and depends on the compute estimate: it counts as a
+    # small loss (0.3), more than quantizing the modulation linears (0.25), less than any lossy format.
     best = min(c.total_seconds for c in cands)
     near = [c for c in cands if c.total_seconds <= 1.25 * best + 1.0]
-    return min(near, key=lambda c: (c.loss, c.total_seconds, c.peak))
+    return min(near, key=lambda c: (c.loss + (0.3 if streams(c) else 0.0), c.total_seconds, c.peak))
 
 
 def pin_rule(pinned_set_bytes: int, machine: Machine) -> tuple[bool, str]:
@@ -392,10 +403,12 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds) * ratio
     dit_notes = []
     if c.dit.precision.is_quantized:
-        kept = spec.dit_kept_params_4bit if c.dit.precision is Precision.NF4 else spec.dit_kept_params
-        what = "embedders, norms and the final layer" + (", and the adaLN/modulation linears" if c.dit.precision is Precision.NF4 else "")
+        kept = spec.dit_kept_params + (0 if c.dit.quantize_modulation else spec.modulation_params)
+        what = "embedders, norms and the final layer" + ("" if c.dit.quantize_modulation else ", and the adaLN/modulation linears")
         dit_notes.append(f"census keeps {kept / 1e9:.2f} B params in 16-bit ({what}); the block linears are "
                          f"{c.dit.precision} (~{bytes_per_param(c.dit.precision):g} byte/param)")
+        if c.dit.quantize_modulation:
+            dit_notes.append("modulation linears quantized too: keeping them 16-bit would not fit this card")
         fp8c = gpu.fp8_compute
         if c.dit.precision is Precision.FP8_E4M3FN:
             dit_notes.append("fp8 matmuls on tensor cores" if fp8c else
@@ -412,7 +425,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         dit_notes.append("ComfyUI's DynamicVRAM already streams this model; GroupPrefetch stands aside unless it measures faster")
     dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
                              pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
-                             streaming=c.dit.streaming, notes=tuple(dit_notes))
+                             streaming=c.dit.streaming, notes=tuple(dit_notes),
+                             quantize_modulation=c.dit.quantize_modulation)
     te_notes = [c.te.note] if c.te.note else []
     if c.te.residency is Residency.PHASE:
         te_notes.append("on the GPU only while encoding; offload is a pointer swap back to the host copy")

@@ -50,6 +50,7 @@ class ComponentPlan:
     streaming: Streaming | None = None
     tiling: Tiling | None = None
     notes: tuple[str, ...] = ()
+    quantize_modulation: bool = False   # census option: adaLN/modulation linears quantized too (needed to fit)
 
 
 @dataclass(frozen=True)

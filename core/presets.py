@@ -20,8 +20,8 @@ class ModelSpec:
     name: str
     family: str                      # flux | sdxl | sd3 | wan | hunyuan | qwen | ltxv | custom
     dit_params: float                # all diffusion-model parameters
-    dit_kept_params: float           # parameters the census keeps in 16-bit for fp8/int8 (embedders, final layer, norms)
-    dit_kept_params_4bit: float      # ... and for nf4 (also the adaLN / modulation linears)
+    dit_kept_params: float           # parameters the census always keeps in 16-bit (embedders, final layer, norms)
+    modulation_params: float         # adaLN / modulation linears: kept 16-bit by default, quantized when that is what fits
     hidden: int
     n_blocks: int
     block_fraction: float            # share of dit_params that sits in the repeated blocks
@@ -72,63 +72,63 @@ class ModelSpec:
 
 # Helper to keep preset rows readable: (numbers in billions of parameters)
 def _spec(**kw) -> ModelSpec:
-    for k in ("dit_params", "dit_kept_params", "dit_kept_params_4bit", "te_params", "vae_params"):
+    for k in ("dit_params", "dit_kept_params", "modulation_params", "te_params", "vae_params"):
         kw[k] = kw[k] * B
     return ModelSpec(**kw)
 
 
 PRESETS: dict[str, ModelSpec] = {
     "flux1-dev": _spec(
-        name="flux1-dev", family="flux", dit_params=11.9, dit_kept_params=0.07, dit_kept_params_4bit=3.3,
+        name="flux1-dev", family="flux", dit_params=11.9, dit_kept_params=0.07, modulation_params=3.23,
         hidden=3072, n_blocks=57, block_fraction=0.99, te_params=4.9, te_names=("t5xxl", "clip_l"), te_hidden=4096,
         text_tokens=512, vae_params=0.084, latent_channels=16, vae_spatial=8, vae_temporal=1, patch=2,
         guidance_distilled=True),
     "flux1-schnell": _spec(
-        name="flux1-schnell", family="flux", dit_params=11.9, dit_kept_params=0.07, dit_kept_params_4bit=3.3,
+        name="flux1-schnell", family="flux", dit_params=11.9, dit_kept_params=0.07, modulation_params=3.23,
         hidden=3072, n_blocks=57, block_fraction=0.99, te_params=4.9, te_names=("t5xxl", "clip_l"), te_hidden=4096,
         text_tokens=256, vae_params=0.084, latent_channels=16, vae_spatial=8, vae_temporal=1, patch=2,
         default_steps=4, guidance_distilled=True),
     "sdxl": _spec(
-        name="sdxl", family="sdxl", dit_params=2.6, dit_kept_params=0.15, dit_kept_params_4bit=0.3,
+        name="sdxl", family="sdxl", dit_params=2.6, dit_kept_params=0.15, modulation_params=0.15,
         hidden=1280, n_blocks=19, block_fraction=0.97, te_params=0.82, te_names=("clip_l", "clip_g"), te_hidden=1280,
         text_tokens=77, vae_params=0.084, latent_channels=4, vae_spatial=8, vae_temporal=1, patch=2,
         default_steps=30),
     "sd3.5-large": _spec(
-        name="sd3.5-large", family="sd3", dit_params=8.1, dit_kept_params=0.1, dit_kept_params_4bit=1.4,
+        name="sd3.5-large", family="sd3", dit_params=8.1, dit_kept_params=0.1, modulation_params=1.3,
         hidden=2432, n_blocks=38, block_fraction=0.98, te_params=5.6, te_names=("t5xxl", "clip_l", "clip_g"),
         te_hidden=4096, text_tokens=333, vae_params=0.084, latent_channels=16, vae_spatial=8, vae_temporal=1,
         patch=2),
     "wan2.1-1.3b": _spec(
-        name="wan2.1-1.3b", family="wan", dit_params=1.3, dit_kept_params=0.06, dit_kept_params_4bit=0.09,
+        name="wan2.1-1.3b", family="wan", dit_params=1.3, dit_kept_params=0.06, modulation_params=0.03,
         hidden=1536, n_blocks=30, block_fraction=0.95, te_params=5.7, te_names=("umt5_xxl",), te_hidden=4096,
         text_tokens=512, vae_params=0.127, latent_channels=16, vae_spatial=8, vae_temporal=4, patch=2,
         vae_bytes_per_px=1536, vae_causal=True, is_video=True, default_width=832, default_height=480,
         default_frames=81, default_steps=30),
     "wan2.1-14b": _spec(
-        name="wan2.1-14b", family="wan", dit_params=14.0, dit_kept_params=0.25, dit_kept_params_4bit=0.4,
+        name="wan2.1-14b", family="wan", dit_params=14.0, dit_kept_params=0.25, modulation_params=0.15,
         hidden=5120, n_blocks=40, block_fraction=0.97, te_params=5.7, te_names=("umt5_xxl",), te_hidden=4096,
         text_tokens=512, vae_params=0.127, latent_channels=16, vae_spatial=8, vae_temporal=4, patch=2,
         vae_bytes_per_px=1536, vae_causal=True, is_video=True, default_width=1280, default_height=720,
         default_frames=81, default_steps=40),
     "wan2.2-a14b": _spec(
-        name="wan2.2-a14b", family="wan", dit_params=14.0, dit_kept_params=0.25, dit_kept_params_4bit=0.4,
+        name="wan2.2-a14b", family="wan", dit_params=14.0, dit_kept_params=0.25, modulation_params=0.15,
         hidden=5120, n_blocks=40, block_fraction=0.97, te_params=5.7, te_names=("umt5_xxl",), te_hidden=4096,
         text_tokens=512, vae_params=0.127, latent_channels=16, vae_spatial=8, vae_temporal=4, patch=2,
         vae_bytes_per_px=1536, vae_causal=True, is_video=True, experts=2, default_width=1280, default_height=720,
         default_frames=81, default_steps=40),
     "hunyuanvideo": _spec(
-        name="hunyuanvideo", family="hunyuan", dit_params=12.7, dit_kept_params=0.1, dit_kept_params_4bit=2.2,
+        name="hunyuanvideo", family="hunyuan", dit_params=12.7, dit_kept_params=0.1, modulation_params=2.1,
         hidden=3072, n_blocks=60, block_fraction=0.98, te_params=8.6, te_names=("llava_llama3", "clip_l"),
         te_hidden=4096, text_tokens=256, vae_params=0.25, latent_channels=16, vae_spatial=8, vae_temporal=4,
         patch=2, vae_bytes_per_px=1536, vae_causal=True, is_video=True, default_width=1280, default_height=720,
         default_frames=129, default_steps=30, guidance_distilled=True),
     "qwen-image": _spec(
-        name="qwen-image", family="qwen", dit_params=20.4, dit_kept_params=0.1, dit_kept_params_4bit=3.9,
+        name="qwen-image", family="qwen", dit_params=20.4, dit_kept_params=0.1, modulation_params=3.8,
         hidden=3072, n_blocks=60, block_fraction=0.99, te_params=8.3, te_names=("qwen2.5_vl_7b",), te_hidden=3584,
         text_tokens=256, vae_params=0.127, latent_channels=16, vae_spatial=8, vae_temporal=1, patch=2,
         vae_bytes_per_px=1536, default_steps=30),
     "ltxv": _spec(
-        name="ltxv", family="ltxv", dit_params=1.9, dit_kept_params=0.05, dit_kept_params_4bit=0.3,
+        name="ltxv", family="ltxv", dit_params=1.9, dit_kept_params=0.05, modulation_params=0.25,
         hidden=2048, n_blocks=28, block_fraction=0.97, te_params=4.76, te_names=("t5xxl",), te_hidden=4096,
         text_tokens=128, vae_params=0.42, latent_channels=128, vae_spatial=32, vae_temporal=8, patch=1,
         vae_bytes_per_px=1024, vae_causal=True, is_video=True, default_width=768, default_height=512,
