@@ -1003,22 +1003,24 @@ def _error_from_history(entry: dict) -> dict | None:
 
 
 def collect_reports(api: dict, outputs: dict) -> dict[str, list[str]]:
-    """Text the Levers nodes showed on the graph (their ui output), keyed by "#id title"."""
-    reports = {}
+    """Text the Levers nodes showed (their ui output, or a "Preview as Text" wired to one), by "#id title"."""
+    reports: dict[str, list[str]] = {}
     for node_id, ui in outputs.items():
         node = api.get(str(node_id), {})
+        owner_id = str(node_id)
         if not str(node.get("class_type", "")).startswith("Levers"):
-            continue
-        texts = []
+            source = (node.get("inputs") or {}).get("source")
+            if not (_is_link(source) and str(api.get(str(source[0]), {}).get("class_type", "")).startswith("Levers")):
+                continue
+            owner_id = str(source[0])  # a PreviewAny showing a Levers report
+        owner = api[owner_id]
+        title = f"#{owner_id} {owner.get('_meta', {}).get('title') or owner.get('class_type')}"
         for value in (ui or {}).values():
-            if isinstance(value, list):
-                texts += [v for v in value if isinstance(v, str) and v.strip()]
-            elif isinstance(value, str) and value.strip():
-                texts.append(value)
-        if texts:
-            title = node.get("_meta", {}).get("title") or node.get("class_type")
-            reports[f"#{node_id} {title}"] = texts
-    return reports
+            items = value if isinstance(value, list) else [value]
+            for text in items:
+                if isinstance(text, str) and text.strip() and text not in reports.get(title, []):
+                    reports.setdefault(title, []).append(text)
+    return dict(sorted(reports.items(), key=lambda kv: _id_sort_key(kv[0][1:].split(" ", 1)[0])))
 
 
 def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[str]:
