@@ -1,0 +1,88 @@
+"""``levers quantize IN OUT --format ...``: quantize a checkpoint once, load it many times."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import LeversError
+from .census import ARCH_NAMES
+from .registry import QuantConfig
+
+
+def register_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "quantize", help="quantize a .safetensors diffusion model to fp8 / int8 / nf4 (streaming)",
+        description="Quantize a diffusion-model .safetensors tensor by tensor. fp8 per_tensor writes ComfyUI's "
+                    "own layout (stock UNETLoader loads it); other formats write the Levers layout.")
+    p.add_argument("input", metavar="IN", help="bf16/fp16/fp32 .safetensors (diffusion model or full checkpoint)")
+    p.add_argument("output", metavar="OUT", help="output .safetensors (refused if it exists, unless --force)")
+    p.add_argument("--format", required=True, choices=["fp8_e4m3fn", "fp8", "int8", "nf4"])
+    p.add_argument("--granularity", default="auto", choices=["auto", "per_tensor", "per_row", "per_block"],
+                   help="auto: fp8 per_tensor (ComfyUI-loadable), int8 per_row, nf4 per_block")
+    p.add_argument("--block-size", type=int, default=64, help="weights per scale for per_block / nf4 (default 64)")
+    p.add_argument("--arch", default="auto", choices=("auto",) + ARCH_NAMES,
+                   help="architecture census to use (default: detect from key names)")
+    p.add_argument("--keep-first-blocks", type=int, default=0)
+    p.add_argument("--keep-last-blocks", type=int, default=0)
+    p.add_argument("--extra-skip", default="", help="comma-separated name patterns to keep unquantized (globs ok)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT")
+    p.add_argument("--no-sqnr", action="store_true", help="skip the per-layer SQNR measurement (faster)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _config(args) -> QuantConfig:
+    gran = args.granularity
+    if gran == "auto" and args.format in ("fp8", "fp8_e4m3fn"):
+        gran = "per_tensor"  # the layout stock ComfyUI loads
+    return QuantConfig(args.format, None if gran == "auto" else gran, block_size=args.block_size,
+                       keep_first_blocks=args.keep_first_blocks, keep_last_blocks=args.keep_last_blocks,
+                       extra_skip=args.extra_skip)
+
+
+def _progress_bar():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    state = {}
+
+    def update(done: int, total: int, key: str) -> None:
+        if tqdm is not None:
+            bar = state.get("bar") or state.setdefault("bar", tqdm(total=total, unit="tensor", desc="quantize"))
+            bar.update(done - bar.n)
+            if done == total:
+                bar.close()
+        elif done == total or done % max(1, total // 20) == 0:
+            print(f"\rquantize {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    return update
+
+
+def run(args) -> int:
+    from .checkpoint import quantize_file
+
+    try:
+        config = _config(args)
+        report = quantize_file(args.input, args.output, config, arch=None if args.arch == "auto" else args.arch,
+                               force=args.force, measure=not args.no_sqnr, progress=_progress_bar())
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except (LeversError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_text())
+    print(f"wrote {args.output}")
+    return 0
+
+
+def main(argv=None) -> int:  # standalone entry for `python -m comfyui_levers.core.quant.cli`
+    parser = argparse.ArgumentParser(prog="levers")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
