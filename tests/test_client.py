@@ -628,3 +628,13 @@ def test_shipped_workflow_converts_to_its_shipped_api_form(path):
     notes = [n for n in ui["nodes"] if n["type"] in ("Note", "MarkdownNote")]
     assert notes and len(notes[0]["widgets_values"][0]) > 200  # the plan is explained on the graph
     assert any(n["type"].startswith("Levers") for n in ui["nodes"])
+
+
+def test_collect_reports_reads_levers_ui_text_and_previews_wired_to_levers_nodes():
+    api = {"5": {"class_type": "LeversRecommend", "inputs": {}, "_meta": {"title": "Plan"}},
+           "6": {"class_type": "PreviewAny", "inputs": {"source": ["5", 1]}},
+           "7": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}},
+           "1": {"class_type": "UNETLoader", "inputs": {}}}
+    outputs = {"5": {"text": ["plan text"]}, "6": {"text": ["plan text", "more"]}, "7": {"text": ["not levers"]},
+               "1": {"text": ["loader"]}}
+    assert C.collect_reports(api, outputs) == {"#5 Plan": ["plan text", "more"]}

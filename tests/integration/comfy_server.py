@@ -143,8 +143,9 @@ class ComfyServer:
 
 
 def _has_module(python: str, name: str) -> bool:
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
-        return importlib.util.find_spec(name) is not None
+    """Whether ``python`` imports the real ``name`` (probed in a clean child: this process may
+    already have the test stand-in on sys.path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = subprocess.run([python, "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec('{name}') is None)"],
-                           capture_output=True)
+                           capture_output=True, env=env, cwd=tempfile.gettempdir())
     return probe.returncode == 0
