@@ -1,0 +1,73 @@
+"""The `levers` CLI: recommend's JSON contract, clear errors, and the demo end to end."""
+import json
+
+import pytest
+
+from comfyui_levers.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_recommend_json_has_the_documented_fields(capsys):
+    code, out, _ = run(capsys, "recommend", "--model", "flux1-dev", "--vram-gb", "16", "--ram-gb", "64",
+                       "--width", "1024", "--height", "1024", "--steps", "28", "--json")
+    assert code == 0
+    d = json.loads(out)
+    for comp in ("diffusion_model", "text_encoder", "vae"):
+        for key in ("precision", "device", "residency", "pin", "weight_bytes", "resident_bytes"):
+            assert key in d["components"][comp]
+    assert "streaming" in d["components"]["diffusion_model"]
+    assert "tiling" in d["components"]["vae"]
+    for key in ("activation_bytes", "vae_decode_peak_bytes", "predicted_peak_bytes", "predicted_extra_seconds",
+                "fits", "notes"):
+        assert key in d
+    assert d["components"]["diffusion_model"]["precision"] == "fp8_e4m3fn"
+    assert d["predicted_peak_bytes"] < 16 * 2**30 and d["fits"] is True
+
+
+def test_recommend_without_overrides_probes_this_machine(capsys):
+    code, out, _ = run(capsys, "recommend", "--model", "sdxl", "--json")
+    assert code == 0
+    d = json.loads(out)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert all(c["device"] == "cpu" for c in d["components"].values())
+
+
+def test_recommend_text_report_has_a_table(capsys):
+    code, out, _ = run(capsys, "recommend", "--model", "wan2.1-14b", "--vram-gb", "12", "--width", "832",
+                       "--height", "480", "--frames", "81")
+    assert code == 0
+    assert "diffusion_model" in out and "predicted peak" in out and "GroupPrefetch" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (("recommend", "--model", "flux9"), "flux1-dev"),
+    (("recommend", "--vram-gb", "-1"), "negative"),
+    (("recommend", "--ram-gb", "0", "--vram-gb", "8"), "positive"),
+    (("recommend", "--width", "1001", "--vram-gb", "8"), "multiple"),
+])
+def test_bad_input_is_a_clear_error(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err and "error" in err
+
+
+def test_demo_runs_every_lever_and_keeps_lossless_ones_exact():
+    from comfyui_levers.core.demo import run_demo
+
+    report = run_demo(steps=2, size=128)
+    levers = report.data["levers"]
+    assert levers["PhaseOffload"]["ledger"]["d2h_bytes"] == 0
+    assert levers["PhaseOffload"]["bit_identical"] is True
+    assert levers["GroupPrefetch"]["bit_identical"] is True and levers["GroupPrefetch"]["d2h_bytes"] == 0
+    assert levers["QuantizeDiT fp8"]["original_unchanged"] is True
+    assert levers["QuantizeDiT fp8"]["bytes_after"] < 0.6 * levers["QuantizeDiT fp8"]["bytes_before"]
+    assert levers["QuantizeDiT fp8"]["psnr_db"] > 30
+    assert levers["TiledVAEDecode"]["psnr_db"] > 40
+    assert "Levers plan" in report.text
