@@ -171,6 +171,26 @@ def test_outputs_bit_identical_wan_mixed_dtypes(inference):
             h.remove()
 
 
+@pytest.mark.parametrize("run_mode", ["inference", "no_grad"])
+def test_model_built_in_inference_mode(run_mode):
+    """ComfyUI builds models inside inference mode: their parameters are inference tensors."""
+    with torch.inference_mode():
+        m = make_wan(mixed=True)
+        x, t = wan_inputs()
+        ref = m(x, t)
+        h = apply_group_prefetch(m, PrefetchConfig(1, 1, 1, BIG), _rec(), bandwidth=0)
+    assert h.store.inference
+    ctx = torch.inference_mode if run_mode == "inference" else torch.no_grad
+    try:
+        with ctx():
+            for _ in range(3):
+                assert torch.equal(m(x, t), ref)
+    finally:
+        h.remove()
+    with torch.inference_mode():
+        assert torch.equal(m(x, t), ref)
+
+
 def test_quantized_bytes_stream_as_quantized_bytes():
     m = make_flux(fp8_single=True)
     fp8_bytes = sum(b.linear1.weight.numel() for b in m.single_blocks)   # 1 byte each
@@ -290,7 +310,8 @@ def test_auto_plan_uses_measured_compute_to_choose_groups():
         assert first.predicted_s is None                      # before any compute is measured
         with torch.no_grad():
             m(*wan_inputs())
-            out = m(*wan_inputs())                            # re-planned from the first forward
+            m(*wan_inputs())                                  # calibration forward
+            out = m(*wan_inputs())                            # re-planned from it
         s = h.stats()
         assert h.block_compute_s is not None and len(h.block_compute_s) == 8
         assert s["predicted_s"] is not None and s["floor_s"] is not None
