@@ -1638,83 +1638,6 @@ def sec_vae(suite: Suite, sec: dict, deadline: float) -> None:
     run_vae_cases(suite, sec, deadline)
 
 
-class VaeRes(nn.Module):
-    def __init__(self, cin, cout, dd):
-        super().__init__()
-        self.norm1 = nn.GroupNorm(32, cin, eps=1e-6, **dd)
-        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, **dd)
-        self.norm2 = nn.GroupNorm(32, cout, eps=1e-6, **dd)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, **dd)
-        self.nin_shortcut = nn.Conv2d(cin, cout, 1, **dd) if cin != cout else nn.Identity()
-
-    def forward(self, x, *unused):
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
-        return self.nin_shortcut(x) + h
-
-
-class VaeAttn(nn.Module):
-    def __init__(self, c, dd):
-        super().__init__()
-        self.norm = nn.GroupNorm(32, c, eps=1e-6, **dd)
-        self.q, self.k, self.v = (nn.Conv2d(c, c, 1, **dd) for _ in range(3))
-        self.proj_out = nn.Conv2d(c, c, 1, **dd)
-
-    def forward(self, x):
-        b, c, h, w = x.shape
-        n = self.norm(x)
-        q, k, v = (t.reshape(b, 1, c, h * w).transpose(2, 3) for t in (self.q(n), self.k(n), self.v(n)))
-        a = F.scaled_dot_product_attention(q, k, v)                   # [B, 1, HW, C]
-        return x + self.proj_out(a.transpose(2, 3).reshape(b, c, h, w))
-
-
-class VaeUp(nn.Module):
-    def __init__(self, c, dd):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1, **dd)
-
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-
-
-class VaeDecoderShaped(nn.Module):
-    """The FLUX VAE decoder's shape (ComfyUI ``Decoder``: z 16, channels 512/512/256/128, 3 res
-    blocks per level, mid attention at latent resolution, x8 upscale), random weights."""
-
-    def __init__(self, z=16, ch=(128, 256, 512, 512), blocks=3, device=None, dtype=torch.bfloat16):
-        super().__init__()
-        dd = {"device": device, "dtype": dtype}
-        top = ch[-1]
-        self.conv_in = nn.Conv2d(z, top, 3, padding=1, **dd)
-        self.mid = nn.Module()
-        self.mid.block_1, self.mid.attn_1, self.mid.block_2 = VaeRes(top, top, dd), VaeAttn(top, dd), VaeRes(top, top, dd)
-        self.up = nn.ModuleList()
-        cin = top
-        for i in reversed(range(len(ch))):
-            level = nn.Module()
-            level.block = nn.ModuleList()
-            for _ in range(blocks):
-                level.block.append(VaeRes(cin, ch[i], dd))
-                cin = ch[i]
-            level.upsample = VaeUp(cin, dd) if i > 0 else nn.Identity()
-            self.up.append(level)
-        self.norm_out = nn.GroupNorm(32, cin, eps=1e-6, **dd)
-        self.conv_out = nn.Conv2d(cin, 3, 3, padding=1, **dd)
-
-    def forward(self, z):
-        h = self.mid.block_2(self.mid.attn_1(self.mid.block_1(self.conv_in(z))))
-        for level in self.up:
-            for blk in level.block:
-                h = blk(h)
-            h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
-
-    def staged(self, tiling):
-        """Stem = everything at latent resolution (incl. attention); the tail = the upsampling stages."""
-        return tiling.StagedDecoder(run=self.forward, stem=[self.conv_in, self.mid.block_1, self.mid.attn_1],
-                                    boundary=self.mid.block_2, tail=[*self.up, self.norm_out, self.conv_out])
-
-
 def psnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     ref, test = ref.float(), test.float()
     mse = float((ref - test).pow(2).mean())
@@ -1732,14 +1655,11 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
     lat = 16 if smoke else 128                      # 1024x1024 output = 128x128 latent
     ch = (32, 32, 64, 64) if smoke else (128, 256, 512, 512)
     tile, blocks = (8, 1) if smoke else (48, 3)     # 48 latent = 384 px tiles
+    bm = suite.pieces.need("benchmark", "VaeDecoderShaped")
+    if bm is None:
+        raise Skip(f"core/benchmark.py unavailable ({suite.pieces.status.get('benchmark')})")
     torch.manual_seed(0)
-    dec = VaeDecoderShaped(ch=ch, blocks=blocks, device=dev, dtype=dt).eval()
-    with torch.no_grad():
-        for name, prm in dec.named_parameters():
-            if prm.ndim == 1:
-                prm.fill_(1.0) if name.endswith("weight") and "norm" in name else prm.zero_()
-            else:
-                prm.normal_(0, 1.0 / math.sqrt(prm[0].numel()))
+    dec = bm.VaeDecoderShaped(ch=ch, blocks=blocks, device=dev, dtype=dt).init_random_(0)
     z = torch.randn(1, 16, lat, lat, device=dev, dtype=dt)
     img = {"shape_note": f"FLUX-VAE-shaped decoder (channels {ch}, {blocks} res blocks/level), latent "
                          f"{lat}x{lat} -> {lat * 8}x{lat * 8} px, {dt}; tiles {tile * 8}px, overlap from the "
@@ -1755,7 +1675,7 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
         img["untiled_peak_bytes"] = whole.peak_bytes
         img["peak_method"] = whole.method
         ref = ref.float()
-        staged = dec.staged(tiling)
+        staged = dec.staged()
         stem = tiling.run_stem(staged, z[:1])
         halo = tiling.measure_halo(staged, stem, out_per_stem=8)
         overlap = max(1, math.ceil((2 * halo + 1) / 8))
