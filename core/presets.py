@@ -44,6 +44,7 @@ class ModelSpec:
     default_frames: int = 1
     default_steps: int = 28
     guidance_distilled: bool = False  # one DiT pass per step (no CFG batch)
+    linear_fraction: float = 1.0     # share of token-wise FLOPs in linear layers (fp8 matmuls speed these up)
     dit_dtype_bytes: int = 2         # how the weights are stored (measured models may be fp8 / fp32 already)
     te_dtype_bytes: int = 2
     vae_dtype_bytes: int = 2
@@ -92,7 +93,7 @@ PRESETS: dict[str, ModelSpec] = {
         name="sdxl", family="sdxl", dit_params=2.6, dit_kept_params=0.15, modulation_params=0.15,
         hidden=1280, n_blocks=19, block_fraction=0.97, te_params=0.82, te_names=("clip_l", "clip_g"), te_hidden=1280,
         text_tokens=77, vae_params=0.084, latent_channels=4, vae_spatial=8, vae_temporal=1, patch=2,
-        default_steps=30),
+        default_steps=30, linear_fraction=0.6),
     "sd3.5-large": _spec(
         name="sd3.5-large", family="sd3", dit_params=8.1, dit_kept_params=0.1, modulation_params=1.3,
         hidden=2432, n_blocks=38, block_fraction=0.98, te_params=5.6, te_names=("t5xxl", "clip_l", "clip_g"),

@@ -32,7 +32,7 @@ class LeversRecommend(io.ComfyNode):
                 io.Int.Input("steps", default=28, min=1, max=1000, tooltip="Sampling steps."),
                 io.Int.Input("batch", default=1, min=1, max=64, tooltip="Images/videos per run."),
                 io.Combo.Input("goal", options=["balanced", "quality", "speed", "fit"], default="balanced",
-                               tooltip="balanced: least lossy plan within 25% of the fastest; quality: least lossy "
+                               tooltip="balanced: fp8 only when it buys >~33% speed or is needed to fit; quality: least lossy "
                                        "that fits; speed: fastest; fit: smallest peak, streaming last."),
                 io.Float.Input("vram_gb", default=0.0, min=0.0, max=4096.0, step=0.5,
                                tooltip="Plan for a card with this much memory (GiB). 0 = probe this machine."),
