@@ -1,0 +1,331 @@
+"""QuantizeDiT's ComfyUI side: a NEW ModelPatcher whose diffusion model holds quantized weights.
+
+The input patcher and its module are never mutated: the BaseModel tree is copied module by module
+(new Parameter objects sharing the untouched tensors' storage), the chosen Linear layers are
+replaced in the copy, and a fresh patcher (own backups, own size) wraps it. Layers:
+- fp8 per_tensor on a ComfyUI with ``comfy.quant_ops`` (comfy-kitchen): ComfyUI's own
+  ``mixed_precision_ops`` Linear holding a ``QuantizedTensor`` — its LoRA, lowvram, pinning,
+  async-offload and fp8-matmul paths apply unchanged.
+- everything else: ``ComfyQuantLinear`` (below): plain ``weight`` codes + ``weight_scale`` tensors,
+  dequantized per call on the input's device; LoRA works through ComfyUI's ``convert_weight`` /
+  ``set_weight`` seam (full load: dequantize, patch, re-quantize with fresh scales, restored exactly
+  on unpatch) and through ``weight_function`` (lowvram: patch applied to the dequantized weight).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..core.errors import IncompatibleInput
+from ..core.quant import checkpoint as qckpt
+from ..core.quant.linear import QuantLinear, clone_module_tree, is_quantized_module, quantize_module
+from ..core.quant.registry import Granularity, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
+from ..core.types import Precision
+
+log = logging.getLogger("levers")
+
+# Attributes ComfyUI's patchers leave on modules while a model is loaded; a copy must not inherit them.
+_LOAD_STATE_ATTRS = ("comfy_patched_weights", "prev_comfy_cast_weights", "comfy_force_cast_weights", "_v",
+                     "_v_weight", "_v_bias", "_v_signature", "_prefetch", "_pin_state", "seed_key")
+
+
+class ComfyQuantLinear(QuantLinear):
+    """QuantLinear that takes part in ComfyUI's cast/patch machinery (a ``CastWeightBiasOp`` look-alike)."""
+
+    comfy_cast_weights = False
+
+    def __init__(self, qweight: QuantizedWeight, bias):
+        super().__init__(qweight, bias)
+        self.weight_function = []
+        self.bias_function = []
+        self._lora_base_scale = None  # the scale that belongs to the backed-up (unpatched) codes
+
+    def forward(self, x, *args, **kwargs):
+        import comfy.model_management
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        if not self.weight_function and not self.bias_function:
+            return super().forward(x)
+        w = self.dequantize(x.dtype, x.device)                               # (out, in)
+        for f in self.weight_function:   # lowvram LoRA patches apply to the dequantized weight
+            w = f(w)
+        b = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
+        for f in self.bias_function:
+            b = f(b)
+        return F.linear(x, w, b)
+
+    # --- ComfyUI LoRA seam: ModelPatcher.patch_weight_to_device calls these by name ---------------------
+    def convert_weight(self, weight, inplace=False, **kwargs):
+        """``weight`` is our codes cast to a float dtype (exact for fp8/int8/uint8): dequantize them."""
+        codes = weight.to(self.weight.dtype)
+        qw = QuantizedWeight(self.quant_format, self.granularity, self.block_size,
+                             (self.out_features, self.in_features),
+                             {"weight": codes, "weight_scale": self.weight_scale.data.to(weight.device)},
+                             self.orig_dtype)
+        return qw.dequantize(weight.dtype if weight.is_floating_point() else torch.float32)
+
+    def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
+        """Re-quantize a patched weight with fresh scales; ``__setattr__`` restores the scale on unpatch."""
+        qw = get_quantizer(self.quant_format).quantize(weight.float(), self.granularity, self.block_size)
+        if return_weight:  # ComfyUI (0.3x) asks for the patched weight without installing it
+            return qw.dequantize(self.orig_dtype)
+        if self.__dict__["_lora_base_scale"] is None:
+            # plain __dict__ entry: assigning a Parameter attribute would register it as a parameter
+            self.__dict__["_lora_base_scale"] = self._parameters["weight_scale"]
+        device = self.weight.device
+        self._parameters["weight"] = torch.nn.Parameter(qw.tensors["weight"].to(device), requires_grad=False)
+        self._parameters["weight_scale"] = torch.nn.Parameter(qw.tensors["weight_scale"].to(device),
+                                                              requires_grad=False)
+
+    def __setattr__(self, name, value):
+        # ModelPatcher.unpatch_model restores `weight` from its backup with setattr; the matching
+        # scale is the one we kept when the first patch was installed.
+        if name == "weight" and self.__dict__.get("_lora_base_scale") is not None:
+            self._parameters["weight_scale"] = self.__dict__["_lora_base_scale"]
+            self.__dict__["_lora_base_scale"] = None
+        super().__setattr__(name, value)
+
+
+def native_fp8_available() -> tuple[bool, str]:
+    """(ok, reason): can this ComfyUI hold fp8 per-tensor weights as its own QuantizedTensor?"""
+    try:
+        import comfy.ops
+        import comfy.quant_ops
+    except ImportError as exc:
+        return False, f"this ComfyUI has no comfy.quant_ops ({exc})"
+    if not getattr(comfy.quant_ops, "_CK_AVAILABLE", False):
+        return False, "comfy-kitchen is not installed (pip install comfy-kitchen)"
+    if "float8_e4m3fn" not in getattr(comfy.quant_ops, "QUANT_ALGOS", {}) or not hasattr(comfy.ops, "mixed_precision_ops"):
+        return False, "this ComfyUI's mixed_precision_ops has no float8_e4m3fn"
+    return True, "ComfyUI QuantizedTensor (TensorCoreFP8E4M3Layout)"
+
+
+def _native_fp8_factory(patcher, compute_dtype):
+    import comfy.model_management as mm
+    import comfy.ops
+
+    disabled = set()
+    if not mm.supports_fp8_compute(patcher.load_device):
+        disabled |= {"float8_e4m3fn", "float8_e5m2"}
+    params = inspect.signature(comfy.ops.mixed_precision_ops).parameters
+    kwargs = {"disabled": disabled} if "disabled" in params else {}
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype, **kwargs)
+
+    def make(linear, qw: QuantizedWeight):
+        layer = ops.Linear(qw.shape[1], qw.shape[0], bias=linear.bias is not None, device=qw.tensors["weight"].device)
+        sd = {f"{k}": v for k, v in qckpt.layer_tensors("x", qw, comfy_layout=True).items()}
+        sd = {k[2:]: v for k, v in sd.items()}  # drop the "x." placeholder prefix
+        if linear.bias is not None:
+            sd["bias"] = linear.bias.detach().to(compute_dtype)
+        layer.load_state_dict(sd, strict=False)
+        return layer
+
+    return make
+
+
+def _fresh_copy(patcher):
+    """A copy of ``patcher.model`` that shares no module or Parameter object with it."""
+    model = patcher.model
+    backup = getattr(patcher, "backup", {}) or {}
+    if backup:  # weights currently carry merged LoRA: copy the unpatched tensors instead
+        log.info("QuantizeDiT: input model is loaded with weight patches; quantizing the unpatched weights")
+    new = clone_module_tree(model, copy_params=bool(getattr(patcher, "weight_inplace_update", False)))
+    for key, bk in backup.items():
+        owner, _, attr = key.rpartition(".")
+        try:
+            mod = new.get_submodule(owner)
+        except AttributeError:
+            continue
+        mod._parameters[attr] = torch.nn.Parameter(bk.weight.detach(), requires_grad=False)
+    for m in new.modules():
+        for attr in _LOAD_STATE_ATTRS:
+            if attr in m.__dict__:
+                if attr == "prev_comfy_cast_weights":
+                    m.comfy_cast_weights = m.__dict__[attr]
+                del m.__dict__[attr]
+        if "weight_function" in m.__dict__:
+            m.weight_function = []
+            m.bias_function = []
+    for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False),
+                        ("current_weight_patches_uuid", None), ("model_offload_buffer_memory", 0)):
+        if hasattr(new, attr):
+            setattr(new, attr, value)
+    new.device = patcher.offload_device
+    return new
+
+
+def _new_patcher(patcher, new_model):
+    """A patcher around ``new_model`` that keeps the input's patches/options but none of its state."""
+    import comfy.model_management as mm
+
+    kwargs = {}
+    params = inspect.signature(patcher.clone).parameters
+    if "model_override" in params and hasattr(patcher, "get_clone_model_override"):
+        fresh_state = tuple(type(x)() for x in patcher.get_clone_model_override()[1])
+        kwargs["model_override"] = (new_model, fresh_state)
+        if "disable_dynamic" in params:
+            kwargs["disable_dynamic"] = True  # our layers are not vbar-managed
+        n = patcher.clone(**kwargs)
+    else:
+        n = patcher.clone()
+        n.model = new_model
+        n.backup = {}
+        n.object_patches_backup = {}
+        n.pinned = set()
+        if hasattr(n, "backup_buffers"):
+            n.backup_buffers = {}
+    n.size = mm.module_size(new_model)  # clones inherit the parent's cached size: set the true one
+    return n
+
+
+def quantize_patcher(patcher, config: QuantConfig, arch: str | None = None, measure: bool = True):
+    """(new patcher, QuantReport, notes). The input patcher is returned as is when already quantized."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    model = getattr(patcher, "model", None)
+    dm = getattr(model, "diffusion_model", None)
+    if dm is None:
+        raise IncompatibleInput("model", "a ComfyUI MODEL (ModelPatcher with a diffusion_model)", patcher,
+                                "wire the MODEL output of a loader into QuantizeDiT")
+    if is_quantized_module(dm):
+        report = QuantReport(config=config, arch="(already quantized)")
+        report.notes.append("input model already holds quantized weights (fp8/int8/nf4 checkpoint, GGUF or an "
+                            "earlier QuantizeDiT): passed through unchanged")
+        return patcher, report
+    is_dynamic = getattr(patcher, "is_dynamic", lambda: False)()
+    if is_dynamic:
+        patcher = patcher.clone(disable_dynamic=True)  # a real (non-virtual) model we can read
+    if any(p.device.type == "meta" for p in dm.parameters()):
+        raise IncompatibleInput("model", "a model with materialised weights", patcher,
+                                "this ComfyUI keeps weights virtual; quantize the file with `levers quantize` instead")
+
+    compute_dtype = getattr(model, "manual_cast_dtype", None) or next(dm.parameters()).dtype
+    notes = []
+    native_ok, native_why = native_fp8_available()
+    if config.format == Precision.FP8_E4M3FN and config.granularity == Granularity.PER_TENSOR and native_ok:
+        make = _native_fp8_factory(patcher, compute_dtype if compute_dtype in (torch.bfloat16, torch.float16,
+                                                                                torch.float32) else torch.bfloat16)
+        notes.append(f"layers: {native_why}")
+    else:
+        make = lambda lin, qw: ComfyQuantLinear(qw, lin.bias)  # noqa: E731
+        notes.append("layers: Levers QuantLinear (dequantize per layer"
+                     + ("; fp8 tensor cores on sm >= 8.9)" if config.format == Precision.FP8_E4M3FN else ")"))
+
+    new_model = _fresh_copy(patcher)
+    bar = {}
+
+    def progress(done, total):
+        mm.throw_exception_if_processing_interrupted()
+        if "bar" not in bar:
+            bar["bar"] = comfy.utils.ProgressBar(total)
+        bar["bar"].update_absolute(done, total)
+
+    # quantize in place on the COPY's diffusion model; the census sees the diffusion model's own names
+    report = quantize_module(new_model.diffusion_model, config, arch=arch, make_layer=make, measure=measure,
+                             progress=progress)
+    offload = patcher.offload_device
+    new_model.diffusion_model.to(offload)
+    n = _new_patcher(patcher, new_model)
+    if is_dynamic:
+        notes.append("DynamicVRAM patcher: the quantized model uses the classic ModelPatcher")
+    report.notes[:0] = notes
+    return n, report
+
+
+def save_quantized(patcher, path: str, config: QuantConfig, arch: str, force: bool = False) -> None:
+    """Write the quantized diffusion model as a checkpoint (fp8 per_tensor: loadable by stock UNETLoader)."""
+    dm = patcher.model.diffusion_model
+
+    def tensors():
+        for name, m in dm.named_modules():
+            if isinstance(m, QuantLinear):
+                yield from qckpt.layer_tensors(name, m.quantized_weight()).items()
+                if m.bias is not None:
+                    yield f"{name}.bias", m.bias
+            elif getattr(m, "layout_type", None) is not None and _native_qweight(m) is not None:  # ComfyUI native
+                yield from qckpt.layer_tensors(name, _native_qweight(m), comfy_layout=True).items()
+                if m.bias is not None:
+                    yield f"{name}.bias", m.bias
+            else:
+                for k, v in m.named_parameters(prefix=name, recurse=False):
+                    yield k, v
+                for k, v in m.named_buffers(prefix=name, recurse=False):
+                    if k.rpartition(".")[2] not in m._non_persistent_buffers_set:
+                        yield k, v
+
+    def fix(items):  # named_parameters(prefix="") yields ".weight" for the root; normalise
+        for k, v in items:
+            yield k.lstrip("."), v
+
+    layers = [n for n, m in dm.named_modules() if isinstance(m, QuantLinear) or getattr(m, "layout_type", None)]
+    qckpt.save_tensors(fix(tensors()), path, qckpt.file_metadata(config, arch, layers), force=force)
+
+
+def _native_qweight(m) -> QuantizedWeight | None:
+    """QuantizedWeight view of a ComfyUI native fp8 layer (comfy-kitchen QuantizedTensor)."""
+    w = m.weight
+    qdata, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
+    if qdata is None or params is None:
+        return None
+    return QuantizedWeight(Precision.FP8_E4M3FN, Granularity.PER_TENSOR, 64, tuple(qdata.shape),
+                           {"weight": qdata, "weight_scale": params.scale.float().reshape(())})
+
+
+def resolve_save_path(save_path: str) -> str:
+    """Relative names go to ComfyUI's first diffusion_models folder, so UNETLoader lists the file."""
+    import os
+
+    path = save_path.strip()
+    if not path.endswith(".safetensors"):
+        path += ".safetensors"
+    if os.path.isabs(path):
+        return path
+    import folder_paths
+    return os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], path)
+
+
+def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
+    """The node's ``auto``: the plan's diffusion-model precision, else fp8; missing backends fall back to fp8."""
+    notes = []
+    if fmt != "auto":
+        return fmt, notes
+    chosen = "fp8_e4m3fn"
+    if plan is not None:
+        planned = plan.diffusion_model.precision
+        if planned.is_quantized:
+            chosen = str(planned)
+            notes.append(f"format auto: {chosen} from the plan")
+        else:
+            notes.append(f"format auto: the plan keeps {planned}; using fp8_e4m3fn as the smallest near-lossless")
+    ok, why = get_quantizer(chosen).available()
+    if not ok:
+        notes.append(f"format auto: {chosen} unavailable ({why}); fell back to fp8_e4m3fn")
+        chosen = "fp8_e4m3fn"
+    return chosen, notes
+
+
+def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_first_blocks: int = 0,
+                  keep_last_blocks: int = 0, extra_skip: str = "", plan=None, save_path: str = ""):
+    """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
+    chosen, notes = choose_format(fmt, plan)
+    gran = granularity
+    if gran == "auto" and chosen == "fp8_e4m3fn":
+        # ComfyUI's own fp8 layer when it has one (its LoRA / offload / fp8-matmul paths), else per row
+        gran = "per_tensor" if native_fp8_available()[0] else "per_row"
+    config = QuantConfig(chosen, None if gran == "auto" else gran, keep_first_blocks=int(keep_first_blocks),
+                         keep_last_blocks=int(keep_last_blocks), extra_skip=extra_skip or ())
+    new, report = quantize_patcher(model, config)
+    report.notes[:0] = notes
+    text = report.format_text()
+    if new is not model:
+        from ..core.quant.census import census as run_census
+        text += "\n" + run_census(model.model.diffusion_model, arch=report.arch, config=config).format_text()
+    if save_path and save_path.strip():
+        path = resolve_save_path(save_path)
+        save_quantized(new, path, config, report.arch)
+        loadable = "stock UNETLoader loads it" if qckpt.uses_comfy_layout(config) else "Levers layout (see docs/quantize.md)"
+        text += f"\nsaved: {path} ({loadable})"
+    return new, text

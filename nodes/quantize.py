@@ -1,0 +1,53 @@
+"""LeversQuantizeDiT: quantize the diffusion model in the graph (fp8 / int8 / nf4); the input stays intact."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..bridge.quant import quantize_node
+
+PLAN = io.Custom("LEVERS_PLAN")
+
+
+class LeversQuantizeDiT(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LeversQuantizeDiT",
+            display_name="QuantizeDiT",
+            category="Levers",
+            description="Quantize the diffusion transformer's attention and MLP weights to fp8, int8 or nf4. Embedders, "
+                        "modulation/adaLN, norms and the final layer stay in full precision (per-architecture census). "
+                        "Returns a new model; the input model is untouched. LoRA loaders after this node work.",
+            inputs=[
+                io.Model.Input("model", tooltip="Diffusion model from a loader (not modified)."),
+                io.Combo.Input("format", options=["auto", "fp8_e4m3fn", "int8", "nf4"], default="auto",
+                               tooltip="auto: the plan's precision, else fp8_e4m3fn. fp8 ~halves the weights with "
+                                       "near-invisible loss; int8 (torchao) similar size; nf4 (bitsandbytes) ~quarter "
+                                       "size with visible loss."),
+                io.Combo.Input("granularity", options=["auto", "per_tensor", "per_row", "per_block"], default="auto",
+                               tooltip="Weights per scale. auto: fp8 per_tensor in ComfyUI's own layout when available "
+                                       "(else per_row), int8 per_row, nf4 per_block (64)."),
+                io.Int.Input("keep_first_blocks", default=0, min=0, max=200,
+                             tooltip="Keep the first N transformer blocks (execution order) in full precision."),
+                io.Int.Input("keep_last_blocks", default=0, min=0, max=200,
+                             tooltip="Keep the last N transformer blocks in full precision."),
+                io.String.Input("extra_skip", default="", optional=True,
+                                tooltip="Comma-separated layer-name patterns to keep (substring or glob), e.g. "
+                                        "'img_mlp, single_blocks.3*'."),
+                PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto."),
+                io.String.Input("save_path", default="", optional=True,
+                                tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
+                                        "per_tensor is ComfyUI's own layout (stock UNETLoader loads it). Never overwrites."),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, format="auto", granularity="auto", keep_first_blocks=0, keep_last_blocks=0,
+                extra_skip="", plan=None, save_path="") -> io.NodeOutput:
+        new, report = quantize_node(model, format, granularity, keep_first_blocks, keep_last_blocks, extra_skip,
+                                    plan, save_path)
+        return io.NodeOutput(new, report, ui=ui.PreviewText(report))
+
+
+NODES = [LeversQuantizeDiT]
