@@ -872,9 +872,11 @@ class PrefetchHandle:
             per_block = [0.0] * self.store.n_blocks
             for b, a, z in pairs:
                 per_block[b] += self.clock.elapsed(a, z)
-            total = self.clock.elapsed(start, end)
             self.block_compute_s = per_block
-            self.other_compute_s = max(0.0, total - sum(per_block))
+            # non-block compute: before the first block and after the last one. Gaps between
+            # blocks are waits for copies, not compute, so the forward's wall time would overstate it.
+            self.other_compute_s = (self.clock.elapsed(start, pairs[0][1]) + self.clock.elapsed(pairs[-1][2], end)
+                                    if pairs else self.clock.elapsed(start, end))
             self._calibration_pairs = None
             self._fwd_marks = []
             self._replan()
