@@ -417,7 +417,7 @@ def bench_ledger(sizes: Sizes) -> dict[str, Any]:
     block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
     tr = RecordingTransport(CpuTransport())
-    budget = rest + int(0.4 * block_bytes)
+    budget = rest + int(max(0.4, 2.5 / sizes.toy_depth) * block_bytes)   # 40% of the blocks, >= 2 slots
     handle = apply_group_prefetch(model, PrefetchConfig(budget_bytes=budget), tr, bandwidth=0)
     try:
         per_step = []

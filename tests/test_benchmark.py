@@ -1,0 +1,168 @@
+"""The benchmarks run and say what they measured or why they could not (structure, never timings).
+
+* ``levers bench --cpu`` in process on tiny sizes: every section reports, the ledgers hold the
+  engine's invariants (phase offload moves 0 device->host bytes, GroupPrefetch's per-step bytes
+  equal its plan, both bit-exact), the quantizer's output exists and shrinks the file.
+* ``bench/gpu_suite.py --smoke`` on the CPU: every section runs its code path on tiny shapes and
+  the JSON carries the commit, the machine and a summary whose every entry has a value or a reason.
+* ``bench/gpu_suite.py`` without CUDA: every section is skipped with a reason, the files are written.
+* The summary arithmetic on a hand-made result.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comfyui_levers.core import benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "bench" / "gpu_suite.py"
+SUMMARY_KEYS = {"prefetch_vs_floor", "prefetch_vs_comfy", "phase_onload_vs_pinned_bw", "phase_offload_d2h_bytes",
+                "fp8_speedup_vs_bf16", "budget_respected"}
+
+
+def _load_suite():
+    spec = importlib.util.spec_from_file_location("levers_gpu_suite", SUITE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_suite(out: Path, *extra: str, timeout: int = 180) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "COMFYUI_PATH"}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.run([sys.executable, str(SUITE), "--out", str(out), "--cpu", *extra], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "suite.json").read_text())
+    assert (out / "suite.md").read_text().startswith("# Levers GPU suite")
+    return data
+
+
+# --------------------------------------------------------------------------------------- levers bench --cpu
+@pytest.fixture
+def one_thread():
+    """Tiny ops: a second OpenMP thread only adds spin-waits (seconds on a busy CI box)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_cpu_bench_reports_every_section_with_engine_invariants(tmp_path, one_thread):
+    r = benchmark.run_bench(benchmark.TINY, workdir=str(tmp_path))
+    assert r["schema"] == benchmark.SCHEMA and r["skipped"] == []
+    assert set(r["results"]) == set(benchmark.SECTIONS)
+
+    q = r["results"]["quantize"]
+    assert q["source"]["bytes"] > 0 and q["source"]["tensors"] > 10
+    for fmt, v in q["formats"].items():
+        assert ("skipped" in v) or ("seconds" in v and 0 < v["size_ratio"] < 1), (fmt, v)
+    assert list(tmp_path.iterdir()) == [], "the synthetic checkpoint and outputs are cleaned up"
+
+    vae = r["results"]["vae"]
+    assert vae["untiled_peak_bytes"] > 0 and vae["tiled_peak_bytes"] > 0 and vae["tiles"] >= 1
+    assert vae["psnr_db"] > 30           # tiles whose overlap covers the receptive field match untiled
+
+    assert r["results"]["recommend"]["plans"] == len(benchmark.TINY.plan_vrams) * r["results"]["recommend"]["presets"]
+
+    gp, ph = r["results"]["ledger"]["group_prefetch"], r["results"]["ledger"]["phase"]
+    assert gp["bit_exact"] and ph["bit_exact"]
+    assert gp["d2h_bytes_per_step"] == 0
+    assert gp["steady_h2d_bytes_per_step"] == gp["streamed_bytes_planned"] > 0
+    assert ph["offload_d2h_bytes"] == 0 and ph["params_on_masters_after_offload"]
+    assert ph["h2d_bytes_per_onload"] == ph["module_bytes"]
+    assert "quantize" in benchmark.format_text(r)
+
+
+def test_bench_cli_needs_the_cpu_flag_and_known_sections(capsys):
+    ns = argparse.Namespace(cpu=False, quick=True, json=False, out=None, sections="vae", machine_name=None, threads=None)
+    assert benchmark.run(ns) == 2
+    ns.cpu, ns.sections = True, "vae,nonsense"
+    assert benchmark.run(ns) == 2
+    assert "nonsense" in capsys.readouterr().err
+
+
+def test_bench_is_registered_as_a_levers_subcommand():
+    parser = argparse.ArgumentParser()
+    benchmark.register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--cpu", "--quick", "--json"])
+    assert args.func is benchmark.run and args.cpu and args.quick and args.json
+
+
+# --------------------------------------------------------------------------------------- GPU suite on CPU
+def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
+    d = _run_suite(tmp_path, "--smoke", "--models", "flux")
+    assert d["smoke"] is True and d["schema"].startswith("levers-gpu-suite/")
+    assert "commit" in d["git"] and d["machine"]["torch"]
+    assert set(d["sections"]) == {"bandwidth", "dit", "phase", "quant", "vae", "recommend"}
+    for name, sec in d["sections"].items():
+        assert sec["status"] in ("ok", "skipped"), (name, sec.get("reason"), sec.get("traceback"))
+        if sec["status"] == "skipped":
+            assert sec["reason"]
+    cases = d["sections"]["dit"]["models"]["flux"]["cases"]
+    engines = {(c["engine"], c["status"]) for c in cases}
+    assert ("resident", "ok") in engines and ("levers_prefetch", "ok") in engines
+    for c in cases:
+        if c["engine"] in ("levers_prefetch", "resident") and c["status"] == "ok":
+            assert c["bit_exact"] is True, c
+    comfy = [c for c in cases if c["engine"] == "comfyui_lowvram"]
+    assert comfy and all(c["status"] == "skipped" and "ComfyUI" in c["reason"] for c in comfy)
+    assert d["comfyui"]["ok"] is False and d["comfyui"]["reason"]
+    assert SUMMARY_KEYS <= set(d["summary"])
+    for key, m in d["summary"].items():
+        assert m["value"] is not None or m["reason"], key
+    assert d["summary"]["phase_offload_d2h_bytes"]["value"] == 0
+    assert d["summary"]["prefetch_vs_comfy"]["value"] is None
+    assert any("ComfyUI" in s or "comfyui" in s for s in d["skipped"])
+
+
+def test_gpu_suite_without_cuda_skips_every_section_with_a_reason(tmp_path):
+    d = _run_suite(tmp_path, "--sections", "bandwidth,dit,quant")
+    assert [s["status"] for s in d["sections"].values()] == ["skipped"] * 3
+    assert all("no CUDA" in s["reason"] for s in d["sections"].values())
+    assert all(m["value"] is None and m["reason"] for m in d["summary"].values())
+    assert "no CUDA" in (tmp_path / "suite.md").read_text()
+
+
+# --------------------------------------------------------------------------------------- summary arithmetic
+def _case(model, engine, budget, s, **kw):
+    return {"model": model, "engine": engine, "budget": budget, "budget_bytes": None if budget is None else 8 << 30,
+            "status": kw.pop("status", "ok"), "s_per_step": s, **kw}
+
+
+def test_summary_ratios_and_budget_verdict():
+    suite = _load_suite()
+    cases = [_case("flux", "resident", None, 1.0),
+             _case("flux", "levers_prefetch", "8 GiB", 1.5, h2d_bytes_per_step=30e9, peak_allocated_bytes=7 << 30,
+                   within_budget=True),
+             _case("flux", "comfyui_lowvram", "8 GiB", 3.0, peak_allocated_bytes=6 << 30, within_budget=True),
+             _case("flux", "resident", "8 GiB", None, status="does_not_fit")]
+    results = {"sections": {"bandwidth": {"status": "ok", "results": {"h2d_pinned_in_place": {"gbps_best": 25.0}}},
+                            "dit": {"status": "ok", "models": {"flux": {"cases": cases}}},
+                            "phase": {"status": "ok", "results": {"onload_gbps_median": 20.0,
+                                                                  "offload_d2h_bytes_total": 0}}}}
+    s = suite.build_summary(results)
+    # floor = max(1.0 s compute, 30 GB / 25 GB/s = 1.2 s) -> 1.5 / 1.2
+    assert s["prefetch_vs_floor"]["value"] == pytest.approx(1.25)
+    assert s["prefetch_vs_comfy"]["value"] == pytest.approx(0.5) and s["prefetch_vs_comfy"]["goal_met"] is True
+    assert s["phase_onload_vs_pinned_bw"]["value"] == pytest.approx(0.8)
+    assert s["phase_offload_d2h_bytes"]["goal_met"] is True
+    assert s["budget_respected"]["value"] is True
+    assert s["fp8_speedup_vs_bf16"]["value"] is None and s["fp8_speedup_vs_bf16"]["reason"]
+
+    cases[2].update(status="oom", s_per_step=None)
+    s = suite.build_summary(results)
+    assert s["budget_respected"]["value"] is False and "OOM" in s["budget_respected"]["violations"][0]
+    assert s["prefetch_vs_comfy"]["value"] is None
+    assert "ComfyUI" in suite.render_markdown({**results, "summary": s, "comfyui": {"ok": False, "reason": "x"}})
