@@ -556,6 +556,7 @@ class MasterTable:
         self.masters: dict[str, _Master] = {}
         self.prefixes: dict[int, str] = {}
         self.swapped_bytes = 0                  # offloaded by pointer swap, cumulative
+        self.left_bytes = 0                     # device bytes left to the manager's own copy, cumulative
         self.pin_outcome: PinOutcome | None = None
 
     def _prefix(self, module: torch.nn.Module) -> str | None:
@@ -570,9 +571,9 @@ class MasterTable:
             if t.device.type != "cpu" or is_traceable_wrapper_subclass(t) or not t.is_contiguous():
                 continue
             m = self.masters.get(name)
-            if m is not None and m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape \
-                    and m.host.dtype == t.dtype:
-                continue
+            if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape
+                                   and m.host.dtype == t.dtype) or (m.dev_ptr and m.dev_ptr == t.data_ptr())):
+                continue                  # still its master, or our outstanding device copy of it
             with torch.inference_mode(False):
                 self.masters[name] = _Master(host=t.detach())
             fresh += 1
@@ -634,6 +635,7 @@ class MasterTable:
                     swapped += tensor_nbytes(m.host)
                 elif t.device.type != "cpu":
                     left += 1
+                    self.left_bytes += tensor_nbytes(t)
         self.swapped_bytes += swapped
         return swapped, left
 

@@ -1,0 +1,80 @@
+"""LeversPhaseOffload: each component holds the GPU only during its own phase; offload is a pointer swap."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..bridge.phase import PhaseSettings, apply, report_text
+from ..core.residency.pinned import PinMode
+
+PLAN = io.Custom("LEVERS_PLAN")
+DEVICE_TIP = "auto = where ComfyUI would put it; cpu; or cuda:N for a specific GPU."
+
+
+def settings_from(plan, model_device: str, text_encoder_device: str, vae_device: str, pin: str,
+                  text_encoder_precision: str) -> PhaseSettings:
+    """Node inputs; settings left on auto take the plan's per-component device / pin / precision."""
+    if plan is not None:
+        def planned(name):
+            try:
+                return plan.component(name)
+            except KeyError:
+                return None
+        dm, te, va = planned("diffusion_model"), planned("text_encoder"), planned("vae")
+        model_device = dm.device if model_device == "auto" and dm is not None else model_device
+        text_encoder_device = te.device if text_encoder_device == "auto" and te is not None else text_encoder_device
+        vae_device = va.device if vae_device == "auto" and va is not None else vae_device
+        if pin == "auto" and dm is not None:
+            pin = "on" if dm.pin else "off"
+        if text_encoder_precision == "auto" and te is not None and str(te.precision) in ("fp32", "bf16", "fp16"):
+            text_encoder_precision = str(te.precision)
+    return PhaseSettings(model_device=model_device, text_encoder_device=text_encoder_device, vae_device=vae_device,
+                         pin=pin, text_encoder_precision=text_encoder_precision)
+
+
+class LeversPhaseOffload(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LeversPhaseOffload",
+            display_name="PhaseOffload",
+            category="Levers",
+            description="Encode, sample and decode each get the GPU to themselves: before a phase starts, the other "
+                        "components are released through ComfyUI's own memory manager. Weights keep a host master "
+                        "(pinned when RAM allows), so going back to the host is a pointer swap (0 bytes copied) and "
+                        "coming back is one copy at full PCIe speed. Output is bit-identical to the plain workflow.",
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model (not modified; a managed clone is returned)."),
+                io.Clip.Input("clip", optional=True, tooltip="Text encoder to manage (optional; cloned)."),
+                io.Vae.Input("vae", optional=True, tooltip="VAE to manage (optional; the input VAE is not modified)."),
+                PLAN.Input("plan", optional=True,
+                           tooltip="A Levers plan from Recommend: fills devices, pinning and text-encoder precision "
+                                   "left on auto."),
+                io.Combo.Input("model_device", options=["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"],
+                               default="auto", tooltip="Where the diffusion model runs. " + DEVICE_TIP),
+                io.Combo.Input("text_encoder_device", options=["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"],
+                               default="auto", tooltip="Where the text encoder runs: a second GPU, or the CPU to keep "
+                                                       "it off the card entirely. " + DEVICE_TIP),
+                io.Combo.Input("vae_device", options=["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"],
+                               default="auto", tooltip="Where the VAE decodes. " + DEVICE_TIP),
+                io.Combo.Input("pin", options=PinMode, default=PinMode.AUTO,
+                               tooltip="Page-lock the host masters (once, in place) for full-speed copies. auto: only "
+                                       "when free RAM is at least twice the pinned set (and within Windows/WSL limits); "
+                                       "on: always try; off: pageable. Failures fall back to pageable per component."),
+                io.Combo.Input("text_encoder_precision", options=["auto", "fp32", "bf16", "fp16"], default="auto",
+                               tooltip="Weight dtype of the text encoder. auto keeps ComfyUI's, except 16-bit weights "
+                                       "on the CPU become fp32 (a private copy; the input CLIP is untouched)."),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
+                     io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def execute(cls, model, clip=None, vae=None, plan=None, model_device="auto", text_encoder_device="auto",
+                vae_device="auto", pin="auto", text_encoder_precision="auto") -> io.NodeOutput:
+        settings = settings_from(plan, model_device, text_encoder_device, vae_device, pin, text_encoder_precision)
+        m, c, v, group = apply(model, clip, vae, settings)
+        report = report_text(group)
+        return io.NodeOutput(m, c, v, report, ui=ui.PreviewText(report))
+
+
+NODES = [LeversPhaseOffload]
