@@ -7,7 +7,6 @@ keeps the schedule, so CPU tests can assert ordering and byte counts without a G
 """
 from __future__ import annotations
 
-import ctypes
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,7 +226,8 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
     if nbytes == 0:
         return PinResult(False, "empty tensor", 0)
     try:
-        err = torch.cuda.cudart().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 0)
+        # torch's cudart binding takes plain ints (ctypes objects are rejected on torch 2.11)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     except (RuntimeError, AttributeError, TypeError) as exc:  # cudart missing or refused
         return PinResult(False, f"cudaHostRegister unavailable: {exc}", nbytes)
     code = int(err.value) if hasattr(err, "value") else int(err)
@@ -240,7 +240,7 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
 def unpin_in_place(t: torch.Tensor) -> None:
     ptr = t.data_ptr()
     if ptr in _REGISTERED and torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(ptr))
+        torch.cuda.cudart().cudaHostUnregister(ptr)
         _REGISTERED.pop(ptr, None)
 
 
