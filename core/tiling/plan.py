@@ -1,0 +1,166 @@
+"""Pick how to decode: whole, in temporal chunks, or in spatial tiles, from measured costs and a budget."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import BudgetExceeded, ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Measured memory costs of one VAE's decode, in bytes per output pixel of one frame.
+
+    For an image VAE a "frame" is the image. For a causal video VAE the per-pixel costs are
+    those of decoding one temporal chunk (the feature cache included), and the whole-decode
+    path also holds every output frame on the device (``output_bytes_per_px`` per frame).
+    """
+
+    whole_bytes_per_px: float          # the model's own decode, per output pixel (per frame for video)
+    tile_bytes_per_px: float           # the tail on one tile window, per output pixel of the window
+    stem_bytes_per_px: float = 0.0     # the whole-image stem pass, per output pixel
+    stored_bytes_per_px: float = 0.0   # stem output kept while tiles run, per output pixel (per latent frame)
+    output_bytes_per_px: float = 0.0   # decoded frames accumulated on the device by the whole path, per frame
+    method: str = ""                   # how the numbers were measured
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """What the decode will do. Tile sizes and overlaps are in latent units."""
+
+    mode: str                          # "whole" | "temporal" | "spatial"
+    batch_per_pass: int
+    tile: tuple[int, int] | None
+    overlap: int
+    chunk_frames: int | None           # latent frames per temporal chunk (video); None = all at once
+    predicted_peak_bytes: int
+    budget_bytes: int
+    reason: str
+    exact: bool = True                 # True when theory says the result equals the untiled decode
+
+    def describe(self, scale: int) -> str:
+        parts = [f"mode={self.mode}", f"batch/pass={self.batch_per_pass}"]
+        if self.tile:
+            parts.append(f"tile={self.tile[0] * scale}x{self.tile[1] * scale}px overlap={self.overlap * scale}px")
+        if self.chunk_frames:
+            parts.append(f"chunk={self.chunk_frames} latent frame(s)")
+        parts.append(f"predicted peak={self.predicted_peak_bytes / GIB:.3f} GiB of budget "
+                     f"{self.budget_bytes / GIB:.3f} GiB")
+        return ", ".join(parts)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if value is None or isinstance(value, bool) or int(value) != value or int(value) < minimum:
+        raise ConfigError(name, value, f"an integer >= {minimum}")
+    return int(value)
+
+
+def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, budget_bytes: int, *,
+                halo_px: float = 0.0, tile: int | None = None, overlap: int | None = None,
+                chunk_frames: int | None = None, align: int = 1, spatial_supported: bool = True,
+                temporal_supported: bool = False, out_frames: int | None = None) -> TilePlan:
+    """Choose the cheapest decode that fits ``budget_bytes``.
+
+    latent_shape: [B, C, H, W] or [B, C, T, H, W]. scale: output px per latent px.
+    halo_px: the tail's receptive-field radius in output px (context a tile needs to be exact).
+    tile / overlap: user sizes in latent units (None = auto). chunk_frames: latent frames per
+    temporal chunk (None = auto). out_frames: decoded frames for a video latent (None = T).
+    Auto never tiles when the whole decode fits.
+    """
+    if len(latent_shape) not in (4, 5):
+        raise ConfigError("samples", tuple(latent_shape), "a 4-D [B, C, H, W] or 5-D [B, C, T, H, W] latent")
+    b, h, w = latent_shape[0], latent_shape[-2], latent_shape[-1]
+    t = latent_shape[2] if len(latent_shape) == 5 else 1
+    for name, v in (("batch", b), ("height", h), ("width", w), ("frames", t)):
+        _check_int(name, v, 1)
+    budget = _check_int("budget_bytes", int(budget_bytes), 1)
+    if tile is not None:
+        tile = _check_int("tile_size", tile, 1)
+    if overlap is not None:
+        overlap = _check_int("overlap", overlap, 0)
+    if chunk_frames is not None:
+        chunk_frames = _check_int("temporal_size", chunk_frames, 1)
+    frame_px = h * w * scale * scale
+    video = len(latent_shape) == 5
+    n_out = int(out_frames) if out_frames else t
+    per_latent_frame = max(1.0, n_out / t)
+
+    def whole_peak(batch: int) -> int:
+        out = cost.output_bytes_per_px * frame_px * n_out if video else 0
+        return int(batch * (cost.whole_bytes_per_px * frame_px + out))
+
+    def chunk_peak(frames: int) -> int:
+        return int(cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
+
+    if tile is None or (tile >= h and tile >= w):
+        if tile is None and whole_peak(b) <= budget and (chunk_frames is None or not video):
+            return TilePlan("whole", b, None, 0, None, whole_peak(b), budget,
+                            "the whole decode fits the budget: no tiling (identical to VAEDecode)")
+        if video and temporal_supported and tile is None:
+            cf = chunk_frames or 1
+            if chunk_peak(cf) <= budget or not spatial_supported:
+                return TilePlan("temporal", 1, None, 0, cf, chunk_peak(cf), budget,
+                                "the whole video does not fit or chunks were asked for: decoding in temporal "
+                                "chunks with the causal cache carried across them (exact)")
+        if not video:
+            b_fit = int(budget // max(1, whole_peak(1)))
+            if b_fit >= 1 and tile is None:
+                return TilePlan("whole", min(b, b_fit), None, 0, None, whole_peak(min(b, b_fit)), budget,
+                                f"one image fits, {b} do not: decoding {min(b, b_fit)} at a time (batch slicing)")
+        if tile is not None:
+            return TilePlan("whole", 1 if video else b, None, 0, None, whole_peak(1 if video else b), budget,
+                            f"tile_size covers the whole {h * scale}x{w * scale}px frame: no tiling")
+
+    if not spatial_supported:
+        need = whole_peak(1) if not video else chunk_peak(1)
+        raise BudgetExceeded(need, budget, "VAE decode",
+                             "This VAE has no seamless spatial tiling in Levers; free memory, lower the "
+                             "resolution or use ComfyUI's VAEDecodeTiled.")
+
+    min_overlap = math.ceil((2 * halo_px + 1) / scale) if halo_px > 0 else 0
+    ov = min_overlap if overlap is None else overlap
+    cf = (chunk_frames or 1) if video else None
+    stored = cost.stored_bytes_per_px * frame_px * (t if video else 1)
+    stem_peak = cost.stem_bytes_per_px * frame_px
+
+    def tile_peak(tt: tuple[int, int]) -> int:
+        # the stem pass ends before tiles start, so its peak is checked on its own
+        return int(stored + cost.tile_bytes_per_px * tt[0] * tt[1] * scale * scale * (cf or 1))
+
+    if tile is not None:
+        tt = (min(tile, h), min(tile, w))
+        if ov >= min(tt):
+            raise ConfigError("overlap", ov * scale, f"less than tile_size ({min(tt) * scale}px)",
+                              "Lower the overlap or raise tile_size.")
+        exact = ov >= min_overlap
+        why = "tile_size given" + ("" if exact else
+                                   f"; overlap {ov * scale}px is below the decoder's receptive field "
+                                   f"({2 * halo_px + 1:.0f}px needed): seams are blended, not exact")
+        return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget, why, exact)
+
+    if stem_peak > budget:
+        raise BudgetExceeded(int(stem_peak), budget, "VAE decode (low-resolution stem)",
+                             "Even the whole-image low-resolution stages do not fit; free memory first.")
+    a = max(1, align)
+    start = max(h, w)
+    start -= start % a
+    t_lat = start
+    while t_lat > ov and t_lat >= a:
+        tt = (min(t_lat, h), min(t_lat, w))
+        if tile_peak(tt) <= budget:
+            n = _count(h, tt[0], ov) * _count(w, tt[1], ov)
+            return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget,
+                            f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: largest tiles that fit "
+                            f"({n} tiles), overlap covers 2 x the receptive field so tiles are exact", ov >= min_overlap)
+        t_lat -= a
+    smallest = (min(ov + a, h), min(ov + a, w))
+    raise BudgetExceeded(tile_peak(smallest), budget, "VAE decode (smallest tile)",
+                         "Free memory (unload other models), lower the resolution, or decode on the CPU.")
+
+
+def _count(length: int, tile: int, overlap: int) -> int:
+    if tile >= length:
+        return 1
+    return max(2, math.ceil((length - overlap) / (tile - overlap)))

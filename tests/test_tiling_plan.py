@@ -1,0 +1,98 @@
+"""Tile layout, blend weights and the planner (pure functions, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_levers.core.errors import BudgetExceeded, ConfigError
+from comfyui_levers.core.tiling import DecodeCost, axis_weights, layout_axis, make_grid, plan_decode
+
+MIB = 1024 ** 2
+
+
+@pytest.mark.parametrize("length,tile,overlap", [(64, 32, 8), (100, 24, 6), (33, 32, 4), (17, 16, 15), (50, 8, 0)])
+def test_layout_covers_the_axis_with_at_least_the_overlap(length, tile, overlap):
+    spans = layout_axis(length, tile, overlap)
+    assert spans[0].start == 0 and spans[-1].stop == length
+    assert all(s.size == min(tile, length) for s in spans)
+    for a, b in zip(spans, spans[1:]):
+        assert a.start < b.start and a.stop - b.start >= overlap
+
+
+@pytest.mark.parametrize("tile,overlap,margin", [(16, 6, 4.0), (10, 2, 28.0), (20, 10, 0.0), (12, 11, 3.0)])
+def test_blend_weights_sum_to_one_everywhere(tile, overlap, margin):
+    grid = make_grid(37, 29, (tile, tile), overlap, scale=8, margin_px=margin)
+    total = torch.zeros(37 * 8, 29 * 8, dtype=torch.float64)
+    for rs, cs, w in grid:
+        assert (w >= 0).all()
+        total[rs.start * 8:rs.stop * 8, cs.start * 8:cs.stop * 8] += w
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=1e-12)
+
+
+def test_weights_skip_the_margin_when_the_overlap_allows_it():
+    spans = layout_axis(40, 28, 16)                        # two tiles, overlapping on [12, 28)
+    assert [(s.start, s.stop) for s in spans] == [(0, 28), (12, 40)]
+    w0, w1 = axis_weights(spans, 40, 1, margin=5.0, band=6.0)
+    assert torch.all(w0[12:17] == 1.0) and torch.all(w1[:5] == 0.0)    # 5 px of margin: tile 0 only
+    assert torch.all(w0[-5:] == 0.0) and torch.all(w1[-17:] == 1.0)    # and the other side
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ConfigError, match="overlap"):
+        layout_axis(64, 16, 16)
+    with pytest.raises(ConfigError, match="tile"):
+        layout_axis(64, 0, 0)
+
+
+COST = DecodeCost(whole_bytes_per_px=4000.0, tile_bytes_per_px=4000.0, stem_bytes_per_px=500.0,
+                  stored_bytes_per_px=100.0)
+
+
+def test_no_tiling_when_the_whole_decode_fits():
+    p = plan_decode((2, 16, 64, 64), 8, COST, budget_bytes=2 * 4000 * 512 * 512 + 1)
+    assert p.mode == "whole" and p.batch_per_pass == 2 and p.tile is None and p.exact
+
+
+def test_batch_slicing_before_tiling():
+    p = plan_decode((4, 16, 64, 64), 8, COST, budget_bytes=int(1.5 * 4000 * 512 * 512))
+    assert p.mode == "whole" and p.batch_per_pass == 1
+
+
+def test_tiles_are_the_largest_that_fit():
+    budget = 600 * MIB
+    p = plan_decode((1, 16, 128, 128), 8, COST, budget_bytes=budget, halo_px=20.0)
+    assert p.mode == "spatial" and p.exact
+    assert p.overlap * 8 >= 2 * 20 + 1
+    assert p.predicted_peak_bytes <= budget
+    bigger = (p.tile[0] + 1) * (p.tile[1] + 1) * 64 * COST.tile_bytes_per_px + 100 * 1024 * 1024
+    assert bigger > budget                                  # one more latent row/col would not fit
+
+
+def test_user_tile_below_receptive_field_is_flagged_not_exact():
+    p = plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=10 ** 12, halo_px=20.0, tile=32, overlap=2)
+    assert p.mode == "spatial" and not p.exact and "receptive field" in p.reason
+
+
+def test_video_uses_temporal_chunks_first():
+    cost = DecodeCost(whole_bytes_per_px=3000.0, tile_bytes_per_px=3000.0, output_bytes_per_px=12.0)
+    whole = 3000.0 * 512 * 512 + 12.0 * 512 * 512 * 81
+    p = plan_decode((1, 16, 21, 64, 64), 8, cost, budget_bytes=int(whole * 0.9), temporal_supported=True,
+                    out_frames=81)
+    assert p.mode == "temporal" and p.chunk_frames == 1
+
+
+def test_budget_too_small_raises_with_numbers():
+    with pytest.raises(BudgetExceeded, match="GiB"):
+        plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=1000, halo_px=8.0)
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(tile=0), "tile_size"), (dict(overlap=-1), "overlap"),
+                                          (dict(chunk_frames=0), "temporal_size")])
+def test_bad_inputs_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=10 ** 9, **kwargs)
+
+
+def test_bad_latent_rank_is_refused():
+    with pytest.raises(ConfigError, match="samples"):
+        plan_decode((16, 64, 64), 8, COST, budget_bytes=10 ** 9)
