@@ -292,7 +292,7 @@ def flux_16gb(oi: dict) -> Graph:
         preset="flux1-dev", model_preset="flux1-dev", width=1024, height=1024, steps=28, goal="balanced",
         vram_gb=16.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
-        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), precision="fp8_e4m3fn"))
+        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
     phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=quant.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         plan=rec.out("plan")))
@@ -338,7 +338,7 @@ def wan_12gb(oi: dict) -> Graph:
         preset="wan2.1-14b", model_preset="wan2.1-14b", width=832, height=480, frames=33, length=33, steps=30,
         goal="balanced", vram_gb=12.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
-        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), precision="fp8_e4m3fn"))
+        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
     prefetch = g.add("LeversGroupPrefetch", 2, title="Levers: stream blocks from pinned RAM", **levers_inputs(
         oi, "LeversGroupPrefetch", model=quant.out("MODEL"), plan=rec.out("plan")))
     model_out = _first_out(prefetch, "MODEL", quant)
@@ -411,21 +411,20 @@ Change: vram_gb to your card (or leave it to the probe), width/height on Recomme
 def quantize_and_save(oi: dict) -> Graph:
     g = Graph(oi, "quantize_once_and_save")
     unet = g.add("UNETLoader", 0, unet_name="flux1-dev.safetensors", weight_dtype="default")
-    quant = g.add("LeversQuantizeDiT", 1, title="Levers: fp8 weights", **levers_inputs(
-        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), precision="fp8_e4m3fn"))
-    save = g.add("ModelSave", 2, title="Save the fp8 model", model=quant.out("MODEL"),
-                 filename_prefix="diffusion_models/flux1-dev-levers-fp8")
-    _report_previews(g, 2, quant)
-    loader = g.add("UNETLoader", 3, title="Next time: load the saved fp8 file (enable me)", mode=2,
-                   unet_name="flux1-dev-levers-fp8_00001_.safetensors", weight_dtype="default")
-    g.note(1, """Quantize once, save, then load the small file with the stock loader.
+    quant = g.add("LeversQuantizeDiT", 1, title="Levers: quantize to fp8 and save", **levers_inputs(
+        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), format="fp8_e4m3fn", granularity="per_tensor",
+        save_path=SAVED_FP8))
+    reports = _report_previews(g, 2, quant)
+    loader = g.add("UNETLoader", 3, title="Next time: load the fp8 file (enable me: Ctrl+M)", mode=2,
+                   unet_name=SAVED_FP8, weight_dtype="default")
+    g.note(1, f"""Quantize once, save, then load the small file with the stock loader.
 
-Run this graph once: Levers quantizes FLUX.1-dev to fp8 (per-tensor scaled E4M3, ComfyUI's own quantized checkpoint format; embedders, norms and the final layer stay 16-bit) and ModelSave writes it to output/diffusion_models/flux1-dev-levers-fp8_00001_.safetensors (about 12 GB instead of 24 GB). ComfyUI also looks for diffusion models in output/diffusion_models, so the stock "Load Diffusion Model" finds the file without moving it.
+Run this graph once: QuantizeDiT turns FLUX.1-dev into fp8 weights (per-tensor scaled E4M3, ComfyUI's own quantized checkpoint layout; embedders, modulation, norms and the final layer stay 16-bit) and writes models/diffusion_models/{SAVED_FP8}: about 12 GB instead of 24 GB. It never overwrites an existing file: delete or rename the old one to redo it.
 
-Then: enable the muted loader on the right (Ctrl+M), use it in place of your bf16 loader in any workflow and drop the QuantizeDiT node. Loading is faster (half the bytes from disk) and needs half the RAM.
+Then use the stock "Load Diffusion Model" with that file in any workflow (the muted loader on the right shows it; select it and press Ctrl+M to enable it), without a QuantizeDiT node: loading reads half the bytes from disk and needs half the RAM.
 
-Quantizing needs the bf16 model in host RAM once (24 GB). Change precision to int8 (needs no fp8 hardware) or nf4 (bitsandbytes; smallest, lossy) if you prefer.""")
-    g.group("Run once: quantize and save", unet, quant, save)
+Quantizing needs the 16-bit model in host RAM once. format = int8 (torchao, per-row) or nf4 (bitsandbytes, smallest, visibly lossy) are alternatives; only fp8 per_tensor files load with the stock loader.""")
+    g.group("Run once: quantize and save", unet, quant, *reports)
     g.group("After that: the stock loader reads the fp8 file", loader)
     return g
 
@@ -518,6 +517,7 @@ def splice(doc: str, block: str) -> str:
     return doc.rstrip("\n") + "\n\n" + block + "\n"
 
 
+SAVED_FP8 = "flux1-dev-levers-fp8.safetensors"
 GRAPHS = (flux_16gb, wan_12gb, sdxl_8gb, quantize_and_save)
 
 

@@ -41,7 +41,7 @@ FRAMES = 5
 # (PSNR of the final latent against the unquantized run, peak = the reference's max |value|).
 LATENT_PSNR_MIN = {"fp8_e4m3fn": 20.0, "int8": 25.0, "nf4": 10.0}
 TILED_DECODE_PSNR_MIN = 30.0                # 8-bit images, feathered tile seams vs one-shot decode
-LEAK_BOUND_BYTES = 96 * 2 ** 20             # RSS growth allowed from run 2 to run 5
+LEAK_BOUND_BYTES = 128 * 2 ** 20            # RSS growth allowed over the five measured runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,17 +336,23 @@ def test_cached_loader_model_is_untouched_by_the_levers(run, object_info, baseli
 
 
 def test_five_repeated_runs_do_not_leak_and_the_server_stays_healthy(server, run, object_info, baseline):
+    """Two warm-up runs (imports, arenas, ComfyUI's caches settle), then five measured runs.
+
+    Each run gets a new nonce, so every Levers node executes again on the cached loader model.
+    Measured on 0.8.0/CPU: plain runs jitter by about +-60 MiB, Levers runs plateau after the
+    second; one leaked model copy per run would add ~4 x 113 MiB over the window.
+    """
     _require(object_info, "LeversQuantizeDiT")
-    rss = []
-    latents = []
-    for i in range(5):
+    assert 4 * server.model_bytes > 2 * LEAK_BOUND_BYTES  # a per-run copy leak must clear the bound
+    rss, latents = [], []
+    for i in range(7):
         result = run(_all_levers_graph(object_info, nonce=100 + i, prefix=f"leak{i}"))
         latents.append(latent_of(result))
         rss.append(server.rss())
-    growth = rss[-1] - rss[1]  # run 1 pays one-time costs (imports, pinned arenas, caches)
+    measured = rss[2:]
+    growth = measured[-1] - measured[0]
     mib = [round(r / 2 ** 20) for r in rss]
-    bound = max(LEAK_BOUND_BYTES, server.model_bytes // 2)
-    assert growth < bound, f"server RSS grew {growth / 2 ** 20:.0f} MiB over runs 2-5 (MiB per run: {mib})"
+    assert growth < LEAK_BOUND_BYTES, f"server RSS grew {growth / 2 ** 20:.0f} MiB over 5 runs (MiB per run: {mib})"
     for latent in latents[1:]:
         assert torch.equal(latent, latents[0])  # repeated runs are deterministic
     stats = server.get("/system_stats")
@@ -420,8 +426,10 @@ def test_example_graph_structure_runs_on_tiny_models(server, run, object_info, b
     _require(object_info, *{n["class_type"] for n in shipped.values() if n["class_type"].startswith("Levers")})
     api = tiny_version(shipped, object_info)
     assert C.validate_api(api, object_info) == []
-    saves = [n for n in api.values() if n["class_type"] == "ModelSave"]
-    before = set((server.output_dir / "diffusion_models").glob("*.safetensors"))
+    saves = [n["inputs"]["save_path"] for n in api.values()
+             if n["class_type"] == "LeversQuantizeDiT" and n["inputs"].get("save_path")]
+    folders = (server.models_dir / "diffusion_models", server.output_dir / "diffusion_models")
+    before = {p for f in folders for p in f.glob("*.safetensors")}
     result = run(api)
     levers = {n for n, node in api.items() if node["class_type"].startswith("Levers")}
     assert result.reports, "no Levers report reached /history"
@@ -429,10 +437,10 @@ def test_example_graph_structure_runs_on_tiny_models(server, run, object_info, b
     if not saves:
         assert result.files, "the example graph saved nothing"
         return
-    # Quantize once and save: the file lands in output/diffusion_models, a folder the stock
-    # UNETLoader searches, and sampling with it stays within the fp8 bar of the original model.
-    new = sorted(set((server.output_dir / "diffusion_models").glob("*.safetensors")) - before)
-    assert len(new) == 1, new
+    # Quantize once and save: the file lands where the stock UNETLoader looks, and sampling with
+    # it stays within the fp8 bar of the original model.
+    new = sorted({p for f in folders for p in f.glob("*.safetensors")} - before)
+    assert [p.name for p in new] == [os.path.basename(saves[0])], new
     assert new[0].stat().st_size < server.model_bytes * 0.75  # 1-byte weights, 16/32-bit leftovers
     names = C.input_specs(server.get("/object_info/UNETLoader")["UNETLoader"])[0].choices
     assert new[0].name in names
