@@ -211,8 +211,7 @@ def quantize_patcher(patcher, config: QuantConfig, arch: str | None = None, meas
         notes.append(f"layers: {native_why}")
     else:
         make = lambda lin, qw: ComfyQuantLinear(qw, lin.bias)  # noqa: E731
-        notes.append("layers: Levers QuantLinear (dequantize per layer"
-                     + ("; fp8 tensor cores on sm >= 8.9)" if config.format == Precision.FP8_E4M3FN else ")"))
+        notes.append("layers: Levers QuantLinear (dequantized per layer to the compute dtype)")
 
     new_model = _fresh_copy(patcher)
     bar = {}
