@@ -572,8 +572,9 @@ class MasterTable:
                 continue
             m = self.masters.get(name)
             if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape
-                                   and m.host.dtype == t.dtype) or (m.dev_ptr and m.dev_ptr == t.data_ptr())):
-                continue                  # still its master, or our outstanding device copy of it
+                                   and m.host.dtype == t.dtype)
+                                  or (m.dev_ptr == t.data_ptr() and _version(t) == m.dev_version)):
+                continue                  # still its master, or our untouched device copy of it
             with torch.inference_mode(False):
                 self.masters[name] = _Master(host=t.detach())
             fresh += 1
