@@ -289,7 +289,7 @@ def flux_16gb(oi: dict) -> Graph:
     vae = g.add("VAELoader", 0, vae_name="ae.safetensors")
     rec = g.add("LeversRecommend", 1, title="Levers: what fits on 16 GB", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
-        preset="flux1-dev", model_preset="flux1-dev", width=1024, height=1024, steps=28, goal="balanced",
+        model_preset="auto", width=1024, height=1024, steps=28, goal="balanced",
         vram_gb=16.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
@@ -335,7 +335,7 @@ def wan_12gb(oi: dict) -> Graph:
     vae = g.add("VAELoader", 0, vae_name="wan_2.1_vae.safetensors")
     rec = g.add("LeversRecommend", 1, title="Levers: what fits on 12 GB", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
-        preset="wan2.1-14b", model_preset="wan2.1-14b", width=832, height=480, frames=33, length=33, steps=30,
+        model_preset="auto", width=832, height=480, frames=33, length=33, steps=30,
         goal="balanced", vram_gb=12.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
@@ -349,7 +349,7 @@ def wan_12gb(oi: dict) -> Graph:
     sampler = g.add("KSampler", 4, model=shift.out(0), positive=pos.out(0), negative=neg.out(0),
                     latent_image=latent.out(0), seed=42, steps=30, cfg=6.0, sampler_name="uni_pc",
                     scheduler="simple", denoise=1.0)
-    decode = g.add("LeversTiledVAEDecode", 5, title="Levers: decode in temporal tiles", **levers_inputs(
+    decode = g.add("LeversTiledVAEDecode", 5, title="Levers: decode in tiles / temporal chunks that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae.out("VAE"), plan=rec.out("plan")))
     save = g.add("SaveAnimatedWEBP", 6, images=decode.out("IMAGE"), filename_prefix="levers/wan21-14b",
                  fps=16.0, lossless=False, quality=90, method="default")
@@ -376,7 +376,7 @@ def sdxl_8gb(oi: dict) -> Graph:
     ckpt = g.add("CheckpointLoaderSimple", 0, ckpt_name="sd_xl_base_1.0.safetensors")
     rec = g.add("LeversRecommend", 1, title="Levers: what fits on 8 GB", **levers_inputs(
         oi, "LeversRecommend", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
-        preset="sdxl", model_preset="sdxl", width=1024, height=1024, steps=30, goal="quality", vram_gb=8.0))
+        model_preset="auto", width=1024, height=1024, steps=30, goal="quality", vram_gb=8.0))
     phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         plan=rec.out("plan")))
