@@ -273,6 +273,7 @@ class PhaseGroup:
         return self._stores[key]
 
     def add(self, name: str, patcher) -> Component:
+        """Register ``patcher`` (a clone we own) as component ``name`` and install the subclass."""
         comp = Component(name=name, module=patcher.model, group=self, dynamic=is_dynamic(patcher),
                          load_device=torch.device(patcher.load_device),
                          offload_device=torch.device(patcher.offload_device))
@@ -286,7 +287,9 @@ class PhaseGroup:
         self._close_phase()
         others = [c.module for c in self.components.values() if c is not comp]
         loaded = list(mm.current_loaded_models)
-        evict = [lm for lm in loaded if lm.model is not None and any(lm.model.model is m for m in others)]
+        # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
+        evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device
+                 and any(lm.model.model is m for m in others)]
         if evict:
             keep = [lm for lm in loaded if all(lm is not e for e in evict)]
             for device in {lm.device for lm in evict}:

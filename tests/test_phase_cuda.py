@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from comfyui_levers.core.residency.phase import PhaseConfig, apply_phase_offload
+from comfyui_levers.core.residency.phase import MasterTable, PhaseConfig, apply_phase_offload, swap_module_to
+from comfyui_levers.core.residency.pinned import PinnedStore
 from comfyui_levers.core.residency.transport import CudaTransport, RecordingTransport
 
 pytestmark = pytest.mark.cuda
@@ -76,6 +77,42 @@ def test_cuda_in_place_patch_is_copied_home_once():
         plain[0].weight.add_(1.0)
     assert torch.equal(managed[0].weight, plain[0].weight)
     h.remove()
+
+
+@needs_cuda
+def test_cuda_manager_driven_moves_are_copy_in_and_pointer_swap_out():
+    """What ComfyUI's patcher does (per-module and whole-model .to calls), through the seam."""
+    plain = _model().cuda()
+    x = torch.randn(8, 256, device="cuda")
+    want = _run(plain, x)
+    m = _model()
+    tr = RecordingTransport(CudaTransport("cuda"))
+    table = MasterTable(m, "dit", tr, PinnedStore(tr, "on"))
+    table.capture()
+    assert table.pin_outcome.pinned and m[0].weight.is_pinned()
+    masters = {n: e.host.data_ptr() for n, e in table.masters.items()}
+    base = torch.cuda.memory_allocated()
+    dev, cpu = torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")
+    with swap_module_to(table, dev, cpu):
+        for _ in range(2):
+            with torch.inference_mode():
+                m[0].to(dev)                 # ComfyUI loads module by module ...
+                m.to(dev)                    # ... then the rest with the root
+                assert all(p.is_cuda for p in m.parameters()) and torch.equal(_run(m, x), want)
+                m[3].to(cpu)                 # partially_unload
+                assert m[3].weight.data_ptr() == masters["3.weight"]
+                m.to(cpu)                    # unpatch_model
+            assert all(p.data_ptr() == masters[n] for n, p in m.named_parameters())
+            assert torch.cuda.memory_allocated() == base
+        assert not tr.kinds("d2h")
+        # a weight the manager patched (new Parameter on the device) is left to its own copy
+        m.to(dev)
+        m[0].weight = nn.Parameter(m[0].weight.detach() * 2, requires_grad=False)
+        m.to(cpu)
+        assert not m[0].weight.is_cuda and m[0].weight.data_ptr() != masters["0.weight"]
+        assert table.left_bytes == m[0].weight.nbytes and not tr.kinds("d2h")   # torch's own copy, not ours
+    table.release()
+    assert not m[3].weight.is_pinned()
 
 
 def bench(gib: float = 4.0, layers: int = 16) -> dict:

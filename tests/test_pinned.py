@@ -120,6 +120,9 @@ def test_store_fails_soft_and_rolls_back():
     assert not out.pinned and "simulated" in out.reason and out.reason.startswith("pageable")
     assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
     assert store.report()[0]["pinned"] is False
+    calls = len(tr.pinned)
+    again = store.pin_component("vae", _groups())           # a failed component is never retried
+    assert not again.pinned and len(tr.pinned) == calls and "simulated" in again.reason
 
 
 def test_store_modes_and_budget():

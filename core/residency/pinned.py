@@ -241,6 +241,7 @@ class PinnedStore:
         self.pinned_bytes = 0
         self._mine: dict[int, torch.Tensor] = {}    # host ptr -> flat tensor we registered
         self._by_component: dict[str, dict[int, torch.Tensor]] = {}
+        self._failed: dict[str, str] = {}           # component -> reason its pinning failed
         self.outcomes: dict[str, PinOutcome] = {}
 
     def pin_component(self, component: str, groups: list[StorageGroup]) -> PinOutcome:
@@ -250,6 +251,11 @@ class PinnedStore:
         unpins the component's ranges that are no longer masters. Already-pinned ranges are
         never registered twice.
         """
+        if component in self._failed:
+            # a failed cudaHostRegister can poison later ones: never retry a component that failed
+            outcome = PinOutcome(component, False, self._failed[component], sum(g.nbytes for g in groups))
+            self.outcomes[component] = outcome
+            return outcome
         pieces = [p for g in groups for p in _pin_pieces(g)]
         mine = self._by_component.setdefault(component, {})
         self._drop(component, keep={p.data_ptr() for p in pieces})
@@ -270,6 +276,7 @@ class PinnedStore:
                     self._unpin(component, p)
                 self._drop(component, keep=set())
                 outcome = PinOutcome(component, False, f"pageable: pin failed ({res.reason})", total, already)
+                self._failed[component] = outcome.reason
                 self.outcomes[component] = outcome
                 return outcome
             done.append(piece)
