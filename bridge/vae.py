@@ -1,0 +1,293 @@
+"""TiledVAEDecode's ComfyUI side: describe the VAE to the tiling engine, measure it, free memory, decode.
+
+Only this module touches ComfyUI (``comfy.sd.VAE``, ``comfy.model_management``, ``comfy.utils``).
+Supported seamless paths, detected from the model's modules rather than ComfyUI's version:
+  * KL decoders (SD 1.x/2.x, SDXL, SD3, Flux, Flux 2): ``comfy.ldm.modules.diffusionmodules.model.Decoder``;
+  * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``): causal, temporal chunks + spatial tiles.
+Any other VAE decodes whole when it fits (ComfyUI's own ``vae.decode``), otherwise the report
+says to use ComfyUI's VAEDecodeTiled.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.errors import ConfigError, IncompatibleInput
+from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_temporal,
+                           measure_halo, measure_peak_bytes, plan_decode, run_stem)
+from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
+from ..core.tiling.overrides import override_forwards
+
+log = logging.getLogger("levers")
+GIB = 1024 ** 3
+
+
+@dataclass
+class TiledDecodeSettings:
+    """Node inputs. Sizes are output pixels / frames like VAEDecodeTiled; 0 = auto."""
+
+    tile_size: int = 0
+    overlap: int = 0
+    temporal_size: int = 0
+    temporal_overlap: int = 0
+    memory_budget_gb: float = 0.0
+    stats: str = "tiles"
+    free_other_models: bool = True
+
+    def validate(self) -> "TiledDecodeSettings":
+        for name in ("tile_size", "overlap", "temporal_size", "temporal_overlap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < 0:
+                raise ConfigError(name, v, "an integer >= 0 (0 = auto)")
+        if not (self.memory_budget_gb >= 0) or math.isinf(self.memory_budget_gb):
+            raise ConfigError("memory_budget_gb", self.memory_budget_gb, "a number of GB >= 0 (0 = free memory)")
+        if self.stats not in STATS_METHODS:
+            raise ConfigError("groupnorm_stats", self.stats, " | ".join(STATS_METHODS))
+        return self
+
+
+@dataclass
+class DecodeReport:
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, text: str) -> None:
+        self.lines.append(text)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+# ------------------------------------------------------------------------------------- describe
+def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
+    """A StagedDecoder for the VAE's first_stage_model, or (None, why not)."""
+    fsm = getattr(vae, "first_stage_model", None)
+    if fsm is None:
+        return None, "VAE has no first_stage_model"
+    dec = getattr(fsm, "decoder", None)
+    mod = type(fsm).__module__
+    if dec is not None and mod.endswith("wan.vae") and type(fsm).__name__ == "WanVAE" \
+            and all(hasattr(dec, a) for a in ("conv1", "middle", "upsamples", "head")):
+        return _wan21(fsm, dec), "Wan 2.1 VAE: middle block (attention) whole, upsampling stages tiled"
+    if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
+        if not isinstance(getattr(dec.conv_in, "weight", None), torch.Tensor) or dec.conv_in.weight.ndim != 4:
+            return None, f"{type(dec).__name__} is a 3-D (video) KL decoder: not supported for seamless tiling"
+        return _kl(fsm, dec), ("KL decoder: stages up to 1/4 of the output scale run whole (attention + their "
+                               "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
+    return None, f"{type(fsm).__name__} has no seamless tiling in Levers yet"
+
+
+def _kl(fsm, dec) -> StagedDecoder:
+    n = dec.num_resolutions
+    level = max(0, n - 2)        # the stage one upsampling above the latent (1/4 of the output scale for x8 VAEs)
+    stem = []
+    pqc = getattr(fsm, "post_quant_conv", None)
+    if isinstance(pqc, torch.nn.Module):
+        stem.append(pqc)
+    stem += [dec.conv_in, dec.mid.block_1, dec.mid.attn_1, dec.mid.block_2]
+    tail = []
+    boundary = None
+    for lv in reversed(range(n)):
+        up = dec.up[lv]
+        mods = []
+        for i, blk in enumerate(up.block):
+            mods.append(blk)
+            if len(up.attn) > 0:
+                mods.append(up.attn[i])
+        ups = [up.upsample] if hasattr(up, "upsample") else []
+        if lv > level:
+            stem += mods + ups
+        elif lv == level:
+            stem += mods[:-1]
+            boundary = mods[-1]
+            tail += ups
+        else:
+            tail += mods + ups
+    tail += [dec.norm_out, dec.conv_out]
+    return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
+
+
+def _wan21(fsm, dec) -> StagedDecoder:
+    n_cache = sum(1 for _ in dec.modules()) + 8     # longer than any index the decoder uses
+    stem = [m for m in (getattr(fsm, "conv2", None),) if isinstance(m, torch.nn.Module)]
+    stem += [dec.conv1, dec.middle[0], dec.middle[1]]
+    return StagedDecoder(run=fsm.decode, stem=stem, boundary=dec.middle[2], tail=list(dec.upsamples) + list(dec.head),
+                         cache_module=dec, cache_kwarg="feat_cache", new_cache=lambda: [None] * n_cache)
+
+
+# ------------------------------------------------------------------------------------- measure
+def _spatial_scale(vae) -> int:
+    r = vae.upscale_ratio
+    return int(r[-1]) if isinstance(r, (tuple, list)) else int(r)
+
+
+def _out_frames(vae, t: int) -> int:
+    r = vae.upscale_ratio
+    return int(r[0](t)) if isinstance(r, (tuple, list)) and callable(r[0]) else t
+
+
+def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tuple[DecodeCost, float, str]:
+    """Bytes per output pixel of the whole decode and of a tile, from small probe decodes.
+
+    Returns (cost, halo_px, method). The probe is a crop of the latent (at most 32x32, 2 frames).
+    """
+    dev = torch.device(vae.device)
+    s = _spatial_scale(vae)
+    ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
+    probe = latent[:1, ..., :ph, :pw]
+    if probe.ndim == 5:
+        probe = probe[:, :, :2]
+    probe = probe.to(dev, vae.vae_dtype)
+    frame_px = ph * pw * s * s
+    with torch.inference_mode():
+        _, whole = measure_peak_bytes(lambda: vae.first_stage_model.decode(probe), dev)
+    whole_bpp = whole.peak_bytes / frame_px
+    out_bpp = 0.0
+    if probe.ndim == 5:
+        out_bpp = 2 * 3 * torch.tensor([], dtype=vae.vae_dtype).element_size()
+    if staged is None:
+        return DecodeCost(whole_bpp, whole_bpp, output_bytes_per_px=out_bpp, method=whole.method), 0.0, whole.method
+    stem_out, stem_m = measure_peak_bytes(lambda: run_stem(staged, probe), dev)
+    stem_scale = stem_out.shape[-1] // pw
+    halo = measure_halo(staged, stem_out, s // stem_scale)
+    stats, _ = collect_tail_stats(staged, stem_out, 0, 1.0)
+    runner = _TailRunner(staged, stem_out)
+    runner.norms.frozen(stats)
+
+    def tail():
+        with torch.inference_mode(), override_forwards(runner.replacements()):
+            cache = staged.new_cache() if staged.causal else None
+            d = _frames_dummy(probe)
+            return runner.run(d[:, :, :1] if d.ndim == 5 else d, cache)
+
+    _, tail_m = measure_peak_bytes(tail, dev)
+    tile_px = frame_px
+    cost = DecodeCost(whole_bytes_per_px=whole_bpp,
+                      tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1,      # +10%: blend + weights
+                      stem_bytes_per_px=stem_m.peak_bytes / frame_px,
+                      stored_bytes_per_px=stem_out.numel() * stem_out.element_size() / frame_px
+                      / (stem_out.shape[2] if stem_out.ndim == 5 else 1),
+                      output_bytes_per_px=out_bpp, method=whole.method)
+    return cost, halo, whole.method
+
+
+# ------------------------------------------------------------------------------------- memory
+def free_other_models(vae) -> str:
+    """Unload every model but this VAE from the VAE's device through ComfyUI's memory manager."""
+    import comfy.model_management as mm
+
+    dev = torch.device(vae.device)
+    if dev.type == "cpu":
+        return "VAE runs on the CPU: nothing to unload"
+    before = mm.get_free_memory(dev)
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    mm.load_models_gpu([vae.patcher], force_full_load=getattr(vae, "disable_offload", False))
+    after = mm.get_free_memory(dev)
+    return f"unloaded other models: free {before / GIB:.2f} -> {after / GIB:.2f} GiB (VAE loaded)"
+
+
+def budget_bytes(vae, settings: TiledDecodeSettings) -> tuple[int, str]:
+    import comfy.model_management as mm
+
+    if settings.memory_budget_gb > 0:
+        return int(settings.memory_budget_gb * GIB), f"budget {settings.memory_budget_gb:g} GB (given)"
+    dev = torch.device(vae.device)
+    free = mm.get_free_memory(dev)
+    return int(free * 0.9), f"budget 90% of free memory on {dev} ({free / GIB:.2f} GiB free)"
+
+
+# ------------------------------------------------------------------------------------- decode
+def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling=None) -> tuple[torch.Tensor, str]:
+    """Decode ``samples`` like VAEDecode (IMAGE [N, H, W, C], video frames flattened into N) and a report."""
+    import comfy.model_management as mm
+    import comfy.utils
+
+    settings.validate()
+    if not hasattr(vae, "first_stage_model") or not hasattr(vae, "decode"):
+        raise IncompatibleInput("vae", "a VAE (comfy.sd.VAE)", vae, "Wire a VAE loader's output into 'vae'.")
+    vae.throw_exception_if_invalid()
+    if not isinstance(samples, torch.Tensor):
+        raise IncompatibleInput("samples", "a LATENT tensor", samples)
+    if samples.is_nested:
+        samples = samples.unbind()[0]
+    if vae.latent_dim == 2 and samples.ndim == 5:
+        samples = samples[:, :, 0]
+    if samples.ndim not in (4, 5):
+        raise ConfigError("samples", tuple(samples.shape), "a 4-D image or 5-D video latent",
+                          "This VAE decodes audio or another 1-D latent; use VAEDecode.")
+    rep = DecodeReport()
+    staged, why = describe_vae(vae)
+    rep.add(f"VAE: {type(vae.first_stage_model).__name__} ({why}); latent {tuple(samples.shape)}")
+    if settings.free_other_models:
+        rep.add(free_other_models(vae))
+    mm.load_models_gpu([vae.patcher], force_full_load=getattr(vae, "disable_offload", False))
+    budget, budget_why = budget_bytes(vae, settings)
+    rep.add(budget_why)
+
+    s = _spatial_scale(vae)
+    video = samples.ndim == 5
+    tile = settings.tile_size or (plan_tiling.tile_px if plan_tiling is not None else 0)
+    overlap = settings.overlap or (plan_tiling.overlap_px if plan_tiling is not None else 0)
+    tsize = settings.temporal_size or ((plan_tiling.temporal_frames or 0) if plan_tiling is not None else 0)
+    t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
+    cost, halo_px, method = measure_cost(vae, staged, samples)
+    rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
+            f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px; tail receptive field {halo_px:.0f} px")
+    plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
+                       tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
+                       chunk_frames=max(1, tsize // t_compress) if (tsize and video) else None,
+                       spatial_supported=staged is not None,
+                       temporal_supported=staged is not None and staged.causal,
+                       out_frames=_out_frames(vae, samples.shape[2]) if video else None)
+    rep.add("plan: " + plan.describe(s))
+    rep.add("why: " + plan.reason)
+    if video and settings.temporal_overlap:
+        rep.add("temporal_overlap ignored: chunks carry the causal cache, so they need no overlap")
+
+    latent = samples.to(torch.device(vae.device), vae.vae_dtype)
+    dev = torch.device(vae.device)
+    pbar = {"bar": None}
+
+    def progress(done: int, total: int) -> None:
+        if pbar["bar"] is None:
+            pbar["bar"] = comfy.utils.ProgressBar(total)
+        pbar["bar"].update_absolute(done, total)
+
+    interrupt = mm.throw_exception_if_processing_interrupted
+    info = DecodeStats()
+    t0 = time.perf_counter()
+
+    def run():
+        if plan.mode == "whole":
+            outs = []
+            for i in range(0, samples.shape[0], plan.batch_per_pass):
+                interrupt()
+                outs.append(vae.decode(samples[i:i + plan.batch_per_pass]))      # ComfyUI's own path
+                progress(min(i + plan.batch_per_pass, samples.shape[0]), samples.shape[0])
+            return torch.cat(outs, 0)
+        if plan.mode == "temporal":
+            out = decode_temporal(staged, latent, plan.chunk_frames, vae.output_device, progress, interrupt)
+        else:
+            out = decode_spatial(staged, latent, plan, out_scale=s, stats=settings.stats, halo_px=halo_px,
+                                 output_device=vae.output_device, progress=progress, interrupt=interrupt, info=info)
+        return vae.process_output(out).movedim(1, -1)
+
+    images, peak = measure_peak_bytes(run, dev) if dev.type == "cuda" else (run(), None)
+    elapsed = time.perf_counter() - t0
+    if plan.mode == "spatial":
+        stats_note = ("no GroupNorm in the tiled stages" if not staged.tail_norms else
+                      f"GroupNorm statistics: {settings.stats} ({len(staged.tail_norms)} layers)")
+        rep.add(f"{info.tiles} tiles; {stats_note}; {'exact by construction' if plan.exact else 'blended'}")
+    if peak is not None:
+        rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB, measured {peak.peak_bytes / GIB:.3f} GiB "
+                f"({peak.method})")
+    else:
+        rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB (not measured on {dev.type})")
+    rep.add(f"decode time {elapsed:.2f} s")
+    if images.ndim == 5:
+        images = images.reshape(-1, *images.shape[-3:])
+    return images.to(vae.output_device), rep.text()
