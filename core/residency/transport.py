@@ -227,7 +227,7 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
         return PinResult(False, "empty tensor", 0)
     try:
         # torch's cudart binding takes plain ints (ctypes objects are rejected on torch 2.11)
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)  # 1 = portable: pinned for every device, as ComfyUI does
     except (RuntimeError, AttributeError, TypeError) as exc:  # cudart missing or refused
         return PinResult(False, f"cudaHostRegister unavailable: {exc}", nbytes)
     code = int(err.value) if hasattr(err, "value") else int(err)
