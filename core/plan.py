@@ -340,24 +340,11 @@ def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
 
 
 def pin_rule(pinned_set_bytes: int, machine: Machine) -> tuple[bool, str]:
-    """Seed 002: pin only when available host RAM covers the pinned set twice over; never without a GPU;
-    pin when RAM is unknown (page-locking fails soft per component). Windows caps page-locked memory
-    near half of RAM; WSL2 far lower."""
-    if not machine.gpus:
-        return False, "no GPU: nothing to DMA to"
-    if pinned_set_bytes <= 0:
-        return False, "nothing is staged on the host"
-    if machine.os == "wsl" and pinned_set_bytes > 1 * GiB:
-        return False, "WSL2 page-locks little memory (~1 GiB); using pageable copies"
-    avail = machine.ram_available_bytes
-    if avail is None:
-        return True, "host RAM unknown; pinning fails soft per component"
-    if machine.os == "windows" and machine.ram_total_bytes and pinned_set_bytes > 0.45 * machine.ram_total_bytes:
-        return False, "Windows caps page-locked memory near half of RAM"
-    if avail >= 2 * pinned_set_bytes:
-        return True, f"host RAM {avail / GiB:.0f} GiB covers the pinned set ({pinned_set_bytes / GiB:.1f} GiB) twice"
-    return False, (f"host RAM {avail / GiB:.0f} GiB is under twice the pinned set "
-                   f"({pinned_set_bytes / GiB:.1f} GiB): pageable copies avoid memory pressure")
+    """Seed 002's rule, the same one PhaseOffload's pinned store applies (core.residency.pinned)."""
+    from .residency.pinned import pin_decision
+
+    return pin_decision(pinned_set_bytes, machine.ram_available_bytes, machine.os, bool(machine.gpus),
+                        total_ram_bytes=machine.ram_total_bytes)
 
 
 def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goal.BALANCED) -> Plan:
