@@ -23,6 +23,8 @@ from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, coll
 from ..core.tiling.overrides import override_forwards
 
 log = logging.getLogger("levers")
+# node choice -> (core method, passes)
+STATS_CHOICES = {"tiles": ("tiles", 1), "tiles x2": ("tiles", 2), "windows": ("windows", 1), "exact": ("exact", 1)}
 GIB = 1024 ** 3
 
 
@@ -45,8 +47,8 @@ class TiledDecodeSettings:
                 raise ConfigError(name, v, "an integer >= 0 (0 = auto)")
         if not (self.memory_budget_gb >= 0) or math.isinf(self.memory_budget_gb):
             raise ConfigError("memory_budget_gb", self.memory_budget_gb, "a number of GB >= 0 (0 = free memory)")
-        if self.stats not in STATS_METHODS:
-            raise ConfigError("groupnorm_stats", self.stats, " | ".join(STATS_METHODS))
+        if self.stats not in STATS_CHOICES:
+            raise ConfigError("groupnorm_stats", self.stats, " | ".join(STATS_CHOICES))
         return self
 
 
@@ -272,7 +274,8 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         if plan.mode == "temporal":
             out = decode_temporal(staged, latent, plan.chunk_frames, vae.output_device, progress, interrupt)
         else:
-            out = decode_spatial(staged, latent, plan, out_scale=s, stats=settings.stats, halo_px=halo_px,
+            method, passes = STATS_CHOICES[settings.stats]
+            out = decode_spatial(staged, latent, plan, out_scale=s, stats=method, stats_passes=passes, halo_px=halo_px,
                                  output_device=vae.output_device, progress=progress, interrupt=interrupt, info=info)
         return vae.process_output(out).movedim(1, -1)
 
