@@ -638,3 +638,13 @@ def test_collect_reports_reads_levers_ui_text_and_previews_wired_to_levers_nodes
     outputs = {"5": {"text": ["plan text"]}, "6": {"text": ["plan text", "more"]}, "7": {"text": ["not levers"]},
                "1": {"text": ["loader"]}}
     assert C.collect_reports(api, outputs) == {"#5 Plan": ["plan text", "more"]}
+
+
+def test_shipped_examples_resolve_by_name_and_unknown_names_list_them(tmp_path):
+    assert C.resolve_workflow_path("sdxl_8gb") == ROOT / "example_workflows" / "api" / "sdxl_8gb.json"
+    assert C.resolve_workflow_path("sdxl_8gb.json").name == "sdxl_8gb.json"
+    own = tmp_path / "mine.json"
+    own.write_text("{}")
+    assert C.resolve_workflow_path(str(own)) == own
+    with pytest.raises(C.WorkflowError, match="Shipped examples: .*flux1_dev_16gb"):
+        C.resolve_workflow_path("nope")

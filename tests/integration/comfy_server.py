@@ -24,7 +24,7 @@ from pathlib import Path
 PACK_ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "stubs"
 TEST_NODES = Path(__file__).resolve().parent / "levers_test_nodes"
-MODEL_KINDS = ("diffusion_models", "vae", "text_encoders", "checkpoints", "loras")
+MODEL_KINDS = ("diffusion_models", "unet", "vae", "text_encoders", "clip", "checkpoints", "loras")  # as a fresh install has
 
 
 def free_port() -> int:

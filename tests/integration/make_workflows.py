@@ -287,10 +287,10 @@ def flux_16gb(oi: dict) -> Graph:
     clip = g.add("DualCLIPLoader", 0, clip_name1="t5xxl_fp16.safetensors", clip_name2="clip_l.safetensors",
                  type="flux")
     vae = g.add("VAELoader", 0, vae_name="ae.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: what fits on 16 GB", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=1024, height=1024, steps=28, goal="balanced",
-        vram_gb=16.0))
+        vram_gb=0.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
     phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
@@ -312,12 +312,12 @@ def flux_16gb(oi: dict) -> Graph:
     reports = _report_previews(g, 6, rec, quant, phase, decode)
     g.note(1, f"""FLUX.1-dev (12 B parameters, 24 GB of bf16 weights) on a 16 GB card.
 
-The plan (Levers: what fits on 16 GB) reads the loaded models and your resolution and picks the levers:
+The plan node reads the loaded models, your GPU and your resolution and picks the levers; on a 16 GB card:
 - fp8 weights for the diffusion model: 12 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms and the final layer stay 16-bit);
 - phase offload: the T5 text encoder (9.5 GB) is on the GPU only while the prompt is encoded, the diffusion model only while sampling, the VAE only while decoding;
 - tiled decode: tile size chosen so the decode fits next to what is still resident.
 
-Change: width/height/steps on the Recommend node and the latent; set vram_gb to your card if the probe is wrong; goal = quality keeps 16-bit where it can, fit takes the smallest footprint. The report nodes on the right show the plan and what each lever did.
+Change: width/height/steps on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 16) to plan for another card. goal = quality keeps 16-bit where it can, fit takes the smallest footprint. format = auto on QuantizeDiT lets the plan choose the precision. The report nodes on the right show the plan and what each lever did.
 
 Files: flux1-dev.safetensors in models/diffusion_models, t5xxl_fp16 + clip_l in models/text_encoders, ae.safetensors in models/vae.""")
     g.group("1. Load (stock loaders, your files)", unet, clip, vae)
@@ -333,10 +333,10 @@ def wan_12gb(oi: dict) -> Graph:
     unet = g.add("UNETLoader", 0, unet_name="wan2.1_t2v_14B_bf16.safetensors", weight_dtype="default")
     clip = g.add("CLIPLoader", 0, clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan")
     vae = g.add("VAELoader", 0, vae_name="wan_2.1_vae.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: what fits on 12 GB", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=832, height=480, frames=33, length=33, steps=30,
-        goal="balanced", vram_gb=12.0))
+        goal="balanced", vram_gb=0.0))
     quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
     prefetch = g.add("LeversGroupPrefetch", 2, title="Levers: stream blocks from pinned RAM", **levers_inputs(
@@ -363,7 +363,7 @@ def wan_12gb(oi: dict) -> Graph:
 
 Needs ~20 GB of free host RAM for the pinned weights. On Windows/WSL, where pinning is limited, the plan streams from pageable memory (slower) and says so in its report.
 
-Change: width/height/length on the Recommend node and the latent (length = 4k+1 frames); vram_gb for your card. More frames -> more activation memory -> fewer blocks resident.""")
+Change: width/height/length on the plan node and on the latent (length = 4k+1 frames). vram_gb = 0 probes this GPU; set it to plan for another card. More frames -> more activation memory -> fewer blocks resident.""")
     g.group("1. Load", unet, clip, vae)
     g.group("2. Levers", quant, prefetch)
     g.group("3. Sample", shift, pos, neg, latent, sampler)
@@ -374,9 +374,9 @@ Change: width/height/length on the Recommend node and the latent (length = 4k+1 
 def sdxl_8gb(oi: dict) -> Graph:
     g = Graph(oi, "sdxl_8gb")
     ckpt = g.add("CheckpointLoaderSimple", 0, ckpt_name="sd_xl_base_1.0.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: what fits on 8 GB", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
-        model_preset="auto", width=1024, height=1024, steps=30, goal="quality", vram_gb=8.0))
+        model_preset="auto", width=1024, height=1024, steps=30, goal="quality", vram_gb=0.0))
     phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         plan=rec.out("plan")))
@@ -400,7 +400,7 @@ SDXL's UNet is 2.6 B parameters (5 GB in fp16), its two text encoders 0.8 B, its
 - tiled decode: the tile size is fitted to the memory that is actually free, so decode never OOMs;
 - no quantization: goal = quality keeps fp16 weights because they fit once the phases are split. On 4 GB set goal = fit and the plan adds fp8 weights.
 
-Change: vram_gb to your card (or leave it to the probe), width/height on Recommend and the latent.""")
+Change: width/height on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 6) to plan for a smaller card.""")
     g.group("1. Load", ckpt)
     g.group("2. Levers", phase)
     g.group("3. Sample", pos, neg, latent, sampler)
