@@ -131,8 +131,12 @@ class VaeDecoderShaped(nn.Module):
         """For TiledVAEDecode: the stem is everything at latent resolution (attention included);
         the tail is the upsampling stages, run per tile with whole-image GroupNorm statistics."""
         from .tiling import StagedDecoder
+        # The modules forward() actually calls: the level containers are never called themselves,
+        # so overriding them would not skip anything (the stem pass would run the whole tail).
+        tail = [blk for level in self.up for blk in level.block]
+        tail += [level.upsample for level in self.up if not isinstance(level.upsample, nn.Identity)]
         return StagedDecoder(run=self.forward, stem=[self.conv_in, self.mid.block_1, self.mid.attn_1],
-                             boundary=self.mid.block_2, tail=[*self.up, self.norm_out, self.conv_out])
+                             boundary=self.mid.block_2, tail=tail + [self.norm_out, self.conv_out])
 
 
 def flux_checkpoint_shapes(hidden: int, double: int, single: int, mlp_ratio: int = 4,
@@ -289,7 +293,7 @@ QUICK = Sizes(ckpt_hidden=1024, ckpt_double=2, ckpt_single=1, formats=("fp8_e4m3
               vae_ch=(32, 32, 32, 32), vae_blocks=1, vae_latent=32, vae_tile=16, toy_d=256, toy_depth=8,
               toy_tokens=128, plan_vrams=(8, 16, 24))
 FULL = Sizes(ckpt_hidden=3072, ckpt_double=3, ckpt_single=3, formats=("fp8_e4m3fn", "int8", "nf4"),
-             vae_ch=(32, 64, 128, 128), vae_blocks=3, vae_latent=64, vae_tile=32, toy_d=512, toy_depth=16,
+             vae_ch=(32, 32, 32, 32), vae_blocks=3, vae_latent=128, vae_tile=48, toy_d=512, toy_depth=16,
              toy_tokens=512, plan_vrams=(6, 8, 12, 16, 24, 48))
 TINY = Sizes(ckpt_hidden=256, ckpt_double=1, ckpt_single=1, formats=("fp8_e4m3fn",), vae_ch=(32, 32, 32, 32),
              vae_blocks=1, vae_latent=16, vae_tile=8, toy_d=64, toy_depth=4, toy_tokens=32, plan_vrams=(8,))
