@@ -797,7 +797,19 @@ SECTION_ORDER = ("bandwidth", "dit", "phase", "quant", "vae", "recommend")
 SECTION_SECONDS = {"bandwidth": 20, "dit": 235, "phase": 25, "quant": 40, "vae": 30, "recommend": 10}
 
 
-def git_info() -> dict[str, Any]:
+def source_fingerprint() -> str:
+    """sha256 over the engine's and the suite's source files (path + bytes), so a run made from a
+    copy without .git can still be matched to a commit: rerun this function on that checkout."""
+    import hashlib
+    h = hashlib.sha256()
+    for top in ("core", "bench", "bridge", "nodes"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            h.update(str(path.relative_to(ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def git_info(commit_override: str | None = None) -> dict[str, Any]:
     def run(*cmd):
         try:
             return subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True,
@@ -806,9 +818,19 @@ def git_info() -> dict[str, Any]:
             return ""
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit or None, "dirty": bool(status) if commit else None,
-            "subject": run("log", "-1", "--format=%s") or None,
-            "reason": None if commit else "not a git checkout (or git missing): commit unknown"}
+    info = {"commit": commit or None, "dirty": bool(status) if commit else None,
+            "subject": run("log", "-1", "--format=%s") or None, "source_fingerprint": source_fingerprint(),
+            "reason": None}
+    given = commit_override or os.environ.get("LEVERS_COMMIT")
+    if given:
+        if commit and not commit.startswith(given) and not given.startswith(commit):
+            info["reason"] = f"--commit {given} differs from the checkout's HEAD {commit}; recorded HEAD"
+        elif not commit:
+            info.update({"commit": given, "reason": "no .git here: commit given by --commit / LEVERS_COMMIT"})
+    elif not commit:
+        info["reason"] = ("not a git checkout (or git missing): commit unknown; pass --commit SHA, or match "
+                          "source_fingerprint against a checkout")
+    return info
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -863,7 +885,7 @@ class Suite:
             "schema": SCHEMA, "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "finished": None, "wall_s": None, "smoke": self.smoke,
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-            "git": git_info(), "machine": machine_info(self.device),
+            "git": git_info(args.commit), "machine": machine_info(self.device),
             "config": {k: v for k, v in vars(args).items() if k != "func"},
             "comfyui": None, "levers_pieces": self.pieces.status,
             "sections": {}, "skipped": [], "summary": {},
@@ -883,6 +905,10 @@ class Suite:
     def save(self, final: bool = False) -> None:
         with self._lock:
             self.results["wall_s"] = round(time.monotonic() - T_PROCESS, 1)
+            try:   # keep the summary current, so a run cut off by an outside timeout still has one
+                self.results["summary"] = build_summary(self.results)
+            except Exception as exc:  # noqa: BLE001 - the summary is derived; never lose the record
+                self.results["summary_error"] = short_exc(exc)
             if final:
                 self.results["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             for _ in range(3):   # the watchdog may serialise while the main thread mutates
@@ -2071,6 +2097,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fp8-dit", action="store_true", help="skip the whole-DiT fp8 step case")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, every code path, seconds (CPU is fine)")
     p.add_argument("--cpu", action="store_true", help="ignore CUDA even when present")
+    p.add_argument("--commit", help="the commit being measured, when the copy has no .git (else: git HEAD)")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-read OUT/suite.json and rewrite its summary, suite.md and suite.png (no measuring)")
     a = p.parse_args(argv)
     a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
     unknown = [s for s in a.sections if s not in SECTIONS]
@@ -2088,8 +2117,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def render_only(out: Path) -> int:
+    """Rebuild summary, table and plot from an existing suite.json (e.g. after a run was cut off)."""
+    path = out / "suite.json"
+    if not path.is_file():
+        print(f"gpu_suite: {path} does not exist; run the suite first", file=sys.stderr)
+        return 2
+    results = json.loads(path.read_text())
+    results["summary"] = build_summary(results)
+    why = render_plot(results, out / "suite.png")
+    results["plot"] = "suite.png" if why is None else None
+    path.write_text(json.dumps(results, indent=2, default=_json_default))
+    (out / "suite.md").write_text(render_markdown(results))
+    print(f"rewrote {path}, suite.md" + (", suite.png" if why is None else f" (no plot: {why})"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render_only:
+        return render_only(Path(args.out))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     suite = Suite(args)
     if suite.device.type != "cuda":

@@ -125,6 +125,12 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
     assert d["summary"]["phase_offload_d2h_bytes"]["value"] == 0
     assert d["summary"]["prefetch_vs_comfy"]["value"] is None
     assert any("ComfyUI" in s or "comfyui" in s for s in d["skipped"])
+    assert d["git"]["source_fingerprint"]
+
+    # a cut-off run can be re-summarised from its JSON alone
+    (tmp_path / "suite.md").unlink()
+    assert _load_suite().render_only(tmp_path) == 0
+    assert (tmp_path / "suite.md").read_text().startswith("# Levers GPU suite")
 
 
 def test_gpu_suite_without_cuda_skips_every_section_with_a_reason(tmp_path):
