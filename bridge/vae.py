@@ -24,7 +24,7 @@ from ..core.tiling.overrides import override_forwards
 
 log = logging.getLogger("levers")
 # node choice -> (core method, passes)
-STATS_CHOICES = {"tiles": ("tiles", 1), "tiles x2": ("tiles", 2), "windows": ("windows", 1), "exact": ("exact", 1)}
+STATS_CHOICES = {"tiles": ("tiles", 1), "windows": ("windows", 1), "exact": ("exact", 1)}
 GIB = 1024 ** 3
 
 
@@ -277,7 +277,8 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
             method, passes = STATS_CHOICES[settings.stats]
             out = decode_spatial(staged, latent, plan, out_scale=s, stats=method, stats_passes=passes, halo_px=halo_px,
                                  output_device=vae.output_device, progress=progress, interrupt=interrupt, info=info)
-        return vae.process_output(out).movedim(1, -1)
+        with torch.inference_mode():   # newer process_output works in place on our inference-mode output
+            return vae.process_output(out).movedim(1, -1)
 
     images, peak = measure_peak_bytes(run, dev) if dev.type == "cuda" else (run(), None)
     elapsed = time.perf_counter() - t0

@@ -45,10 +45,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
                                tooltip="Memory the decode may use, in GB. 0 = 90% of the free memory on the VAE's "
                                        "device after unloading other models."),
-                io.Combo.Input("groupnorm_stats", options=["tiles", "tiles x2", "windows", "exact"], default="tiles",
+                io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",
                                tooltip="KL VAEs (SD/SDXL/Flux): where tiled stages get GroupNorm statistics. tiles: "
-                                       "pooled over all tiles in one extra pass; tiles x2: two passes (more accurate, "
-                                       "slower); windows: a sample "
+                                       "pooled over all tiles in one extra pass (accurate); windows: a sample "
                                        "(faster, less accurate); exact: whole image at once (untiled memory)."),
                 io.Boolean.Input("unload_other_models", default=True,
                                  tooltip="Unload the diffusion model and text encoder through ComfyUI's memory "

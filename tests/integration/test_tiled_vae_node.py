@@ -80,12 +80,11 @@ def test_kl_tiles_beat_vaedecodetiled(comfy_env, kl_vae):
 def test_kl_budget_picks_tiles_that_fit(comfy_env, kl_vae):
     latent = {"samples": smooth_latent((1, 16, 40, 40), 2)}
     ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
-    one, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.02)
-    two, _ = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.02, groupnorm_stats="tiles x2")
+    ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.02)
     assert "mode=spatial" in report and "predicted peak" in report, report
-    p1, p2 = psnr(one, ref), psnr(two, ref)
-    print(f"\nKL budget 0.02 GB: 1 stats pass {p1:.1f} dB, 2 passes {p2:.1f} dB\n{report}")
-    assert p1 >= 30 and p2 > p1, (p1, p2)
+    p = psnr(ours, ref)
+    print(f"\nKL budget 0.02 GB: {p:.1f} dB\n{report}")
+    assert p >= 30, report
 
 
 @pytest.fixture(scope="module")
