@@ -1703,15 +1703,53 @@ def psnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(peak * peak / mse)
 
 
-def _vae_halo(bm, tiling, blocks: int) -> float:
+def _init_random(module: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0) if (name.endswith("weight") and "norm" in name) else p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+    return module.eval()
+
+
+def _vae_builder(suite: Suite, bm):
+    """(make(ch_base, blocks) -> decoder, stage(decoder) -> StagedDecoder, description).
+
+    With ComfyUI present: its own ``Decoder`` (the FLUX VAE config) staged exactly as the node
+    stages it (``bridge.vae._kl``). Otherwise the Levers bench shape with a latent-resolution stem.
+    """
+    if suite.comfy is not None and suite.comfy.ok:
+        try:
+            from comfy.ldm.modules.diffusionmodules.model import Decoder
+            from comfyui_levers.bridge import vae as bridge_vae
+            if hasattr(bridge_vae, "_kl"):
+                def make(ch_base: int, blocks: int):
+                    return Decoder(ch=ch_base, out_ch=3, ch_mult=(1, 2, 4, 4), num_res_blocks=blocks - 1,
+                                   attn_resolutions=[], in_channels=3, resolution=256, z_channels=16)
+
+                def stage(dec):
+                    return bridge_vae._kl(types.SimpleNamespace(decode=dec.forward), dec)
+                return make, stage, "ComfyUI's Decoder (FLUX VAE config), staged by bridge/vae.py as the node does"
+        except Exception as exc:  # noqa: BLE001 - fall back to the bench shape, saying why
+            log(f"  ComfyUI Decoder unavailable for the VAE bench ({short_exc(exc, 200)}); using the bench shape")
+
+    def make_bm(ch_base: int, blocks: int):
+        return bm.VaeDecoderShaped(ch=(ch_base, 2 * ch_base, 4 * ch_base, 4 * ch_base), blocks=blocks)
+    return make_bm, lambda dec: dec.staged(), "Levers bench FLUX-VAE shape (core/benchmark.py), latent-resolution stem"
+
+
+def _vae_halo(make, stage, tiling, blocks: int) -> float:
     """The decoder tail's receptive field, measured on a narrow fp32 CPU copy of the same
     architecture: it depends on the layers, not the channel count, and fp32 on the CPU keeps the
     perturbation test exact (bf16 Winograd/FFT convolutions could smear it across a tile)."""
-    small = bm.VaeDecoderShaped(ch=(32, 32, 32, 32), blocks=blocks, dtype=torch.float32).init_random_(1)
+    small = _init_random(make(32, blocks), 1)
     z = torch.randn(1, 16, 64, 64)
-    staged = small.staged()
+    staged = stage(small)
     with torch.inference_mode():
-        return float(tiling.measure_halo(staged, tiling.run_stem(staged, z), out_per_stem=8))
+        stem = tiling.run_stem(staged, z)
+        return float(tiling.measure_halo(staged, stem, out_per_stem=8 // max(1, stem.shape[-1] // 64)))
 
 
 def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
@@ -1722,17 +1760,19 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
     dev, smoke = suite.device, suite.smoke
     dt = DTYPE["value"]
     lat = 32 if smoke else 128                      # 1024x1024 output = 128x128 latent
-    ch = (32, 32, 32, 32) if smoke else (128, 256, 512, 512)
-    tiles, blocks = ((8,), 1) if smoke else ((48, 64), 3)   # 384 px and 512 px tiles
+    ch_base = 32 if smoke else 128                  # channels ch x (1, 2, 4, 4): the FLUX VAE at 128
+    tiles, blocks = ((16,), 1) if smoke else ((48, 64), 3)  # 384 px and 512 px tiles
     bm = suite.pieces.need("benchmark", "VaeDecoderShaped")
     if bm is None:
         raise Skip(f"core/benchmark.py unavailable ({suite.pieces.status.get('benchmark')})")
+    make, stage, what = _vae_builder(suite, bm)
     torch.manual_seed(0)
-    dec = bm.VaeDecoderShaped(ch=ch, blocks=blocks, device=dev, dtype=dt).init_random_(0)
+    dec = _init_random(make(ch_base, blocks), 0).to(device=dev, dtype=dt)
     z = torch.randn(1, 16, lat, lat, device=dev, dtype=dt)
-    base = {"shape_note": f"FLUX-VAE-shaped decoder (channels {ch}, {blocks} res blocks/level), latent {lat}x{lat} "
-                          f"-> {lat * 8}x{lat * 8} px, {dt}; overlap covers the measured receptive field; the "
-                          f"engine's default whole-image GroupNorm statistics"}
+    base = {"decoder": what,
+            "shape_note": f"{what}; channels {ch_base} x (1, 2, 4, 4), {blocks} res blocks/level, latent "
+                          f"{lat}x{lat} -> {lat * 8}x{lat * 8} px, {dt}; overlap covers the measured receptive "
+                          f"field; the engine's default whole-image GroupNorm statistics"}
     with torch.inference_mode():
         dec(z)                                          # warm-up (cuDNN algorithm choice)
         sync(dev)
@@ -1742,8 +1782,8 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
         base.update({"untiled_s": rnd(time.perf_counter() - t0, 4), "untiled_peak_bytes": whole.peak_bytes,
                      "peak_method": whole.method})
         ref = ref.float()
-        staged = dec.staged()
-        halo = _vae_halo(bm, tiling, blocks)
+        staged = stage(dec)
+        halo = _vae_halo(make, stage, tiling, blocks)
         overlap = max(1, math.ceil((2 * halo + 1) / 8))
     configs = []
     sec["image_configs"] = configs
