@@ -16,6 +16,13 @@ import torch
 from tiny_models import fill_random_
 
 
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    """ComfyUI's executor runs nodes under inference_mode; 0.33's VAEDecodeTiled relies on it (in-place output)."""
+    with torch.inference_mode():
+        yield
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     mse = float(((a.detach().float() - b.detach().float()) ** 2).mean())
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)       # IMAGE is in [0, 1]
