@@ -54,8 +54,8 @@ MODEL_URLS = {
 
 COLUMN_X = 40
 COLUMN_GAP = 40
-ROW_GAP = 36
-TOP = 60
+ROW_GAP = 64           # includes the ~30 px title bar drawn above each node's pos
+TOP = 130
 LEVERS_COLOR = ("#233", "#355")       # teal: the Levers nodes stand out from stock nodes
 NOTE_COLOR = ("#432", "#653")
 GROUP_COLORS = ("#3f789e", "#8A8", "#b58b2a", "#a1309b", "#88A")
@@ -107,8 +107,10 @@ class Graph:
         self.nodes: list[Node] = []
         self.groups: list[tuple[str, list[int]]] = []
 
-    def add(self, type_: str, col: int, title: str | None = None, mode: int = 0, width: int | None = None,
+    def add(self, type_: str, col: int, *, _title: str | None = None, _mode: int = 0, _width: int | None = None,
             **values) -> Node:
+        """Add a node; ``values`` are its inputs by name (widget values or ``Out`` links), the
+        underscored keywords are layout (so they never collide with an input called width/title)."""
         if type_ not in self.object_info:
             raise KeyError(f"{self.name}: node type {type_!r} is not installed on the reference server")
         specs = {s.name: s for s in input_specs(self.object_info[type_], {k: v for k, v in values.items()})}
@@ -116,7 +118,7 @@ class Graph:
         if unknown:
             raise KeyError(f"{self.name}: {type_} has no input(s) {sorted(unknown)}; inputs: {list(specs)}")
         color = LEVERS_COLOR if type_.startswith("Levers") else None
-        node = Node(self, len(self.nodes) + 1, type_, col, values, title, mode, width or 340, color)
+        node = Node(self, len(self.nodes) + 1, type_, col, values, _title, _mode, _width or 340, color)
         self.nodes.append(node)
         return node
 
@@ -126,7 +128,8 @@ class Graph:
         return node
 
     def group(self, title: str, *nodes: Node) -> None:
-        self.groups.append((title, [n.id for n in nodes]))
+        if nodes:
+            self.groups.append((title, [n.id for n in nodes]))
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class Graph:
         height = 30 + 22 * max(len(sockets), outs) + 26 * len(widgets)
         height += sum(24 for s in widgets if s.has_control_widget)
         height += sum(90 for s in widgets if s.type_name == "STRING" and s.options.get("multiline"))
+        if node.type == "PreviewAny":
+            height += 70  # its text display
         return height
 
     def _layout(self) -> None:
@@ -225,7 +230,7 @@ class Graph:
         for i, (title, ids) in enumerate(self.groups):
             members = [n for n in self.nodes if n.id in ids]
             x0 = min(n.pos[0] for n in members) - 15
-            y0 = min(n.pos[1] for n in members) - 50
+            y0 = min(n.pos[1] for n in members) - 30 - 50  # node title bar + group title
             x1 = max(n.pos[0] + n.width for n in members) + 15
             y1 = max(n.pos[1] + n.height for n in members) + 15
             groups.append({"id": i + 1, "title": title, "bounding": [x0, y0, x1 - x0, y1 - y0],
@@ -287,29 +292,29 @@ def flux_16gb(oi: dict) -> Graph:
     clip = g.add("DualCLIPLoader", 0, clip_name1="t5xxl_fp16.safetensors", clip_name2="clip_l.safetensors",
                  type="flux")
     vae = g.add("VAELoader", 0, vae_name="ae.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=1024, height=1024, steps=28, goal="balanced",
         vram_gb=0.0))
-    quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
+    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
-    phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
+    phase = g.add("LeversPhaseOffload", 2, _title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=quant.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         plan=rec.out("plan")))
     clip_out = _first_out(phase, "CLIP", clip)
     model_out = _first_out(phase, "MODEL", quant)
     vae_out = _first_out(phase, "VAE", vae)
-    pos = g.add("CLIPTextEncode", 3, title="Prompt", text=FLUX_PROMPT, clip=clip_out)
+    pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=FLUX_PROMPT, clip=clip_out)
     guide = g.add("FluxGuidance", 3, conditioning=pos.out(0), guidance=3.5)
     neg = g.add("ConditioningZeroOut", 3, conditioning=pos.out(0)) if "ConditioningZeroOut" in oi else pos
     latent = g.add("EmptySD3LatentImage", 3, width=1024, height=1024, batch_size=1)
     sampler = g.add("KSampler", 4, model=model_out, positive=guide.out(0), negative=neg.out(0),
                     latent_image=latent.out(0), seed=42, steps=28, cfg=1.0, sampler_name="euler",
                     scheduler="simple", denoise=1.0)
-    decode = g.add("LeversTiledVAEDecode", 5, title="Levers: decode in tiles that fit", **levers_inputs(
+    decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae_out, plan=rec.out("plan")))
     save = g.add("SaveImage", 6, images=decode.out("IMAGE"), filename_prefix="levers/flux1-dev")
-    reports = _report_previews(g, 6, rec, quant, phase, decode)
+    reports = _report_previews(g, 7, rec, quant, phase, decode)
     g.note(1, f"""FLUX.1-dev (12 B parameters, 24 GB of bf16 weights) on a 16 GB card.
 
 The plan node reads the loaded models, your GPU and your resolution and picks the levers; on a 16 GB card:
@@ -324,7 +329,7 @@ Files: flux1-dev.safetensors in models/diffusion_models, t5xxl_fp16 + clip_l in 
     g.group("2. Levers", quant, phase)
     g.group("3. Sample", pos, guide, latent, sampler, *([neg] if neg is not pos else []))
     g.group("4. Decode and save", decode, save)
-    del reports
+    g.group("Reports", *reports)
     return g
 
 
@@ -333,27 +338,27 @@ def wan_12gb(oi: dict) -> Graph:
     unet = g.add("UNETLoader", 0, unet_name="wan2.1_t2v_14B_bf16.safetensors", weight_dtype="default")
     clip = g.add("CLIPLoader", 0, clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan")
     vae = g.add("VAELoader", 0, vae_name="wan_2.1_vae.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=832, height=480, frames=33, length=33, steps=30,
         goal="balanced", vram_gb=0.0))
-    quant = g.add("LeversQuantizeDiT", 2, title="Levers: fp8 weights", **levers_inputs(
+    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
-    prefetch = g.add("LeversGroupPrefetch", 2, title="Levers: stream blocks from pinned RAM", **levers_inputs(
+    prefetch = g.add("LeversGroupPrefetch", 2, _title="Levers: stream blocks from pinned RAM", **levers_inputs(
         oi, "LeversGroupPrefetch", model=quant.out("MODEL"), plan=rec.out("plan")))
     model_out = _first_out(prefetch, "MODEL", quant)
     shift = g.add("ModelSamplingSD3", 3, model=model_out, shift=8.0)
-    pos = g.add("CLIPTextEncode", 3, title="Prompt", text=WAN_PROMPT, clip=clip.out("CLIP"))
-    neg = g.add("CLIPTextEncode", 3, title="Negative prompt", text=WAN_NEGATIVE, clip=clip.out("CLIP"))
+    pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=WAN_PROMPT, clip=clip.out("CLIP"))
+    neg = g.add("CLIPTextEncode", 3, _title="Negative prompt", text=WAN_NEGATIVE, clip=clip.out("CLIP"))
     latent = g.add("EmptyHunyuanLatentVideo", 3, width=832, height=480, length=33, batch_size=1)
     sampler = g.add("KSampler", 4, model=shift.out(0), positive=pos.out(0), negative=neg.out(0),
                     latent_image=latent.out(0), seed=42, steps=30, cfg=6.0, sampler_name="uni_pc",
                     scheduler="simple", denoise=1.0)
-    decode = g.add("LeversTiledVAEDecode", 5, title="Levers: decode in tiles / temporal chunks that fit", **levers_inputs(
+    decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles / temporal chunks that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae.out("VAE"), plan=rec.out("plan")))
     save = g.add("SaveAnimatedWEBP", 6, images=decode.out("IMAGE"), filename_prefix="levers/wan21-14b",
                  fps=16.0, lossless=False, quality=90, method="default")
-    _report_previews(g, 6, rec, quant, prefetch, decode)
+    reports = _report_previews(g, 7, rec, quant, prefetch, decode)
     g.note(1, f"""Wan 2.1 14B text-to-video (832x480, 33 frames) on a 12 GB card.
 
 14 B parameters are 28 GB in bf16 and still 14 GB in fp8: more than the card. So:
@@ -368,31 +373,32 @@ Change: width/height/length on the plan node and on the latent (length = 4k+1 fr
     g.group("2. Levers", quant, prefetch)
     g.group("3. Sample", shift, pos, neg, latent, sampler)
     g.group("4. Decode and save", decode, save)
+    g.group("Reports", *reports)
     return g
 
 
 def sdxl_8gb(oi: dict) -> Graph:
     g = Graph(oi, "sdxl_8gb")
     ckpt = g.add("CheckpointLoaderSimple", 0, ckpt_name="sd_xl_base_1.0.safetensors")
-    rec = g.add("LeversRecommend", 1, title="Levers: plan for this GPU", **levers_inputs(
+    rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         model_preset="auto", width=1024, height=1024, steps=30, goal="quality", vram_gb=0.0))
-    phase = g.add("LeversPhaseOffload", 2, title="Levers: one phase on the GPU at a time", **levers_inputs(
+    phase = g.add("LeversPhaseOffload", 2, _title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         plan=rec.out("plan")))
     model_out = _first_out(phase, "MODEL", ckpt)
     clip_out = _first_out(phase, "CLIP", ckpt)
     vae_out = _first_out(phase, "VAE", ckpt)
-    pos = g.add("CLIPTextEncode", 3, title="Prompt", text=SDXL_PROMPT, clip=clip_out)
-    neg = g.add("CLIPTextEncode", 3, title="Negative prompt", text=SDXL_NEGATIVE, clip=clip_out)
+    pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=SDXL_PROMPT, clip=clip_out)
+    neg = g.add("CLIPTextEncode", 3, _title="Negative prompt", text=SDXL_NEGATIVE, clip=clip_out)
     latent = g.add("EmptyLatentImage", 3, width=1024, height=1024, batch_size=1)
     sampler = g.add("KSampler", 4, model=model_out, positive=pos.out(0), negative=neg.out(0),
                     latent_image=latent.out(0), seed=42, steps=30, cfg=6.5, sampler_name="dpmpp_2m",
                     scheduler="karras", denoise=1.0)
-    decode = g.add("LeversTiledVAEDecode", 5, title="Levers: decode in tiles that fit", **levers_inputs(
+    decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae_out, plan=rec.out("plan")))
     save = g.add("SaveImage", 6, images=decode.out("IMAGE"), filename_prefix="levers/sdxl")
-    _report_previews(g, 6, rec, phase, decode)
+    reports = _report_previews(g, 7, rec, phase, decode)
     g.note(1, """SDXL at 1024x1024 on a card with 8 GB or less (6 GB and 4 GB work too, slower).
 
 SDXL's UNet is 2.6 B parameters (5 GB in fp16), its two text encoders 0.8 B, its VAE is small but its 1024x1024 decode needs several GB of activations: the usual OOM is at the very end, in VAE decode.
@@ -405,17 +411,18 @@ Change: width/height on the plan node and on the latent. vram_gb = 0 probes this
     g.group("2. Levers", phase)
     g.group("3. Sample", pos, neg, latent, sampler)
     g.group("4. Decode and save", decode, save)
+    g.group("Reports", *reports)
     return g
 
 
 def quantize_and_save(oi: dict) -> Graph:
     g = Graph(oi, "quantize_once_and_save")
     unet = g.add("UNETLoader", 0, unet_name="flux1-dev.safetensors", weight_dtype="default")
-    quant = g.add("LeversQuantizeDiT", 1, title="Levers: quantize to fp8 and save", **levers_inputs(
+    quant = g.add("LeversQuantizeDiT", 1, _title="Levers: quantize to fp8 and save", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), format="fp8_e4m3fn", granularity="per_tensor",
         save_path=SAVED_FP8))
     reports = _report_previews(g, 2, quant)
-    loader = g.add("UNETLoader", 3, title="Next time: load the fp8 file (enable me: Ctrl+M)", mode=2,
+    loader = g.add("UNETLoader", 3, _title="Next time: load the fp8 file (enable me: Ctrl+M)", _mode=2,
                    unet_name=SAVED_FP8, weight_dtype="default")
     g.note(1, f"""Quantize once, save, then load the small file with the stock loader.
 
@@ -448,7 +455,7 @@ def _report_previews(g: Graph, col: int, *nodes: Node) -> list[Node]:
         names = list(info.get("output_name") or info["output"])
         for i, t in enumerate(info["output"]):
             if t == "STRING":
-                previews.append(g.add("PreviewAny", col, title=f"Report: {node.title or node.type}",
+                previews.append(g.add("PreviewAny", col, _title=f"Report: {node.title or node.type}",
                                       source=Out(node, i)))
     return previews
 

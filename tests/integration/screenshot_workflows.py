@@ -36,9 +36,11 @@ async (graph) => {
     x0 = Math.min(x0, b[0]); y0 = Math.min(y0, b[1]); x1 = Math.max(x1, b[0] + b[2]); y1 = Math.max(y1, b[1] + b[3]);
   }
   const w = c.canvas.width / (window.devicePixelRatio || 1), h = c.canvas.height / (window.devicePixelRatio || 1);
-  const s = Math.min(w / (x1 - x0 + 80), h / (y1 - y0 + 80));
+  // keep clear of the sidebar (left) and the tab bar / run toolbar (top)
+  const left = 80, top = 120, right = 30, bottom = 20;
+  const s = Math.min((w - left - right) / (x1 - x0), (h - top - bottom) / (y1 - y0));
   c.ds.scale = s;
-  c.ds.offset = [-x0 + 40 / s + (w / s - (x1 - x0 + 80)) / 2, -y0 + 40 / s];
+  c.ds.offset = [left / s - x0, top / s - y0];
   c.setDirty(true, true);
   c.draw(true, true);
   return [x0, y0, x1, y1, s];
@@ -54,7 +56,14 @@ def main() -> int:
         raise SystemExit(reason)
     chromium = os.environ.get("CHROMIUM", "/usr/bin/chromium")
     OUT.mkdir(parents=True, exist_ok=True)
-    server = ComfyServer(path, python=os.environ.get("COMFY_PYTHON", sys.executable), test_nodes=False).start()
+    server = ComfyServer(path, python=os.environ.get("COMFY_PYTHON", sys.executable), test_nodes=False)
+    from make_workflows import MODEL_URLS, SAVED_FP8
+
+    for name, (folder, _) in {**MODEL_URLS, SAVED_FP8: ("diffusion_models", "")}.items():
+        # Empty stand-ins so the loaders show their file names instead of "missing model" errors.
+        (server.models_dir / folder).mkdir(parents=True, exist_ok=True)
+        (server.models_dir / folder / name).touch()
+    server.start()
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -64,9 +73,17 @@ def main() -> int:
             page.wait_for_timeout(3000)
             page.keyboard.press("Escape")  # first-run dialogs
             for wf in sorted((ROOT / "example_workflows").glob("*.json")):
-                box = page.evaluate(FIT_JS, json.loads(wf.read_text()))
+                graph = json.loads(wf.read_text())
+                width = max(n["pos"][0] + n["size"][0] for n in graph["nodes"]) - min(n["pos"][0] for n in graph["nodes"])
+                height = max(n["pos"][1] + n["size"][1] for n in graph["nodes"]) - min(n["pos"][1] for n in graph["nodes"])
+                scale = min(0.75, 3600 / (width + 200))  # the canvas draws text from ~0.6 up
+                page.set_viewport_size({"width": int((width + 200) * scale) + 110,
+                                        "height": int((height + 260) * scale) + 140})
+                page.wait_for_timeout(500)
+                box = page.evaluate(FIT_JS, graph)
                 page.wait_for_timeout(1500)
                 page.keyboard.press("Escape")
+                page.mouse.move(2, 2)
                 target = OUT / f"{wf.stem}.png"
                 page.screenshot(path=str(target))
                 print(f"wrote {target.relative_to(ROOT)} (bounds {box})")
