@@ -1246,10 +1246,16 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
     ref: dict[str, Any] = {"out": None, "s_per_step": None, "act_peak": None}
     cases = rec["cases"]
 
+    cost: dict[str, float] = {}     # wall seconds of the last finished case per engine
+
     def case(engine: str, label: str | None, budget: int | None, fn: Callable[[dict], None]) -> dict:
         r = {"model": spec.name, "engine": engine, "budget": label, "budget_bytes": budget}
         cases.append(r)
+        t0 = time.monotonic()
         suite.guarded_case(f"dit/{spec.name}/{engine}/{label or 'unbudgeted'}", r, lambda: fn(r))
+        r["case_wall_s"] = rnd(time.monotonic() - t0, 2)
+        if r.get("status") == "ok":
+            cost[engine] = r["case_wall_s"]
         suite.save()
         return r
 
@@ -1262,7 +1268,11 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         log(f"   {r['engine']:<16} {str(r['budget'] or 'unbudgeted'):>14}: {r['s_per_step']:.4f} s/step, peak "
             f"{gb(pk)} GiB, setup {setup_s:.1f}s, bit-exact {r.get('bit_exact')}, max|diff| {r.get('max_abs_diff')}")
 
-    def enough_time(est: float) -> None:
+    def enough_time(est: float, engine: str | None = None) -> None:
+        """Skip a case that would run past the deadline: its engine's last case cost (+20%) once
+        one finished, else a conservative estimate from the resident step time."""
+        if engine in cost:
+            est = cost[engine] * 1.2 + 2
         if not smoke and suite.left(deadline) < est:
             raise Skip(f"section deadline: {suite.left(deadline):.0f}s left, case needs ~{est:.0f}s")
 
@@ -1333,7 +1343,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             if levers.reason:
                 raise Skip(levers.reason)
             pf_warmup = int(getattr(levers.mod, "CALIBRATION_FORWARD", 0)) + 2
-            enough_time(8 + (pf_warmup + iters) * step_est * 3)
+            enough_time(8 + (pf_warmup + iters) * step_est * 3, "levers_prefetch")
             # GroupPrefetch budgets weights only; the card budget also holds activations, so the
             # engine gets budget - (measured activation peak of the resident run + 10% + 256 MiB).
             act = ref["act_peak"] or 0
@@ -1371,7 +1381,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             cb = suite.comfy
             if cb is None or not cb.ok:
                 raise Skip(f"ComfyUI baseline unavailable: {cb.reason if cb else 'not set up'}")
-            enough_time(8 + (warmup + iters) * step_est * 4)
+            enough_time(8 + (warmup + iters) * step_est * 4, "comfyui_lowvram")
 
             def attempt(extra_reserve: int) -> None:
                 model, patcher = cb.build(spec, host)
