@@ -222,9 +222,13 @@ def test_shipped_api_workflow_validates_against_the_server(server, object_info, 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "example_workflows").glob("*.json")), ids=lambda p: p.stem)
 def test_shipped_ui_workflow_converts_with_the_servers_object_info(object_info, path):
-    ui = json.loads(path.read_text())
-    api = C.ui_to_api(ui, object_info)
-    assert api == json.loads((API_DIR / path.name).read_text())
+    """Same nodes, inputs and links as the shipped API twin (titles of untitled stock nodes follow
+    each version's display names, so ``_meta`` is not compared)."""
+    def semantic(api):
+        return {k: (v["class_type"], v["inputs"]) for k, v in api.items()}
+
+    api = C.ui_to_api(json.loads(path.read_text()), object_info)
+    assert semantic(api) == semantic(json.loads((API_DIR / path.name).read_text()))
 
 
 # ---------------------------------------------------------------------------------------------
