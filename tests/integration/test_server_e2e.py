@@ -220,6 +220,16 @@ def test_shipped_api_workflow_validates_against_the_server(server, object_info, 
                 "UNETLoader", "DualCLIPLoader", "CLIPLoader", "VAELoader", "CheckpointLoaderSimple"), (node_id, err)
 
 
+def test_comfyui_lists_the_examples_as_templates(server):
+    """ComfyUI's template browser lists example_workflows/*.json (not api/) and serves each file."""
+    listed = server.get("/api/workflow_templates").get("ComfyUI-Levers", [])
+    shipped = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
+    assert sorted(listed) == shipped
+    for name in shipped:
+        served = server.get(f"/api/workflow_templates/ComfyUI-Levers/{name}.json")
+        assert served == json.loads((ROOT / "example_workflows" / f"{name}.json").read_text())
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "example_workflows").glob("*.json")), ids=lambda p: p.stem)
 def test_shipped_ui_workflow_converts_with_the_servers_object_info(object_info, path):
     """Same nodes, inputs and links as the shipped API twin (titles of untitled stock nodes follow
