@@ -9,6 +9,7 @@ says to use ComfyUI's VAEDecodeTiled.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -118,6 +119,16 @@ def _wan21(fsm, dec) -> StagedDecoder:
     stem += [dec.conv1, dec.middle[0], dec.middle[1]]
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=dec.middle[2], tail=list(dec.upsamples) + list(dec.head),
                          cache_module=dec, cache_kwarg="feat_cache", new_cache=lambda: [None] * n_cache)
+
+
+def _pairs_frames(vae) -> bool:
+    """True for the Wan decoder that decodes latent frames in pairs (ComfyUI 0.33+, ``Decoder3d.run_up``).
+
+    Its causal cache keeps only the frames of the last call, so chunks must follow its own schedule;
+    until the chunked path drives that schedule, temporal chunks are off for it.
+    """
+    dec = getattr(getattr(vae, "first_stage_model", None), "decoder", None)
+    return dec is not None and hasattr(dec, "run_up")
 
 
 # ------------------------------------------------------------------------------------- measure
@@ -243,8 +254,13 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                        tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
                        chunk_frames=max(1, tsize // t_compress) if (tsize and video) else None,
                        spatial_supported=staged is not None,
-                       temporal_supported=staged is not None and staged.causal,
+                       temporal_supported=staged is not None and staged.causal and not _pairs_frames(vae),
                        out_frames=_out_frames(vae, samples.shape[2]) if video else None)
+    if video and plan.mode == "spatial" and staged is not None and staged.causal and _pairs_frames(vae):
+        # ComfyUI 0.33+ Wan decoder: after the first call it decodes 2 latent frames per call and caches only
+        # what a call saw, so our 1-frame chunks would lose context; one native decode call per tile is exact.
+        plan = dataclasses.replace(plan, chunk_frames=samples.shape[2])
+        rep.add("Wan decoder decodes frame pairs (ComfyUI 0.33+): each tile decodes all frames in one call")
     rep.add("plan: " + plan.describe(s))
     rep.add("why: " + plan.reason)
     if video and settings.temporal_overlap:

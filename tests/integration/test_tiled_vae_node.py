@@ -104,6 +104,10 @@ def test_wan_temporal_chunks_match_untiled(comfy_env, wan_vae):
     ref = comfy_env.nodes.VAEDecode().decode(wan_vae, latent)[0]
     ours, report = run_node(comfy_env, latent, wan_vae, temporal_size=4, memory_budget_gb=64)
     comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(wan_vae, latent, 512, 64, 8, 4)[0]
+    if hasattr(wan_vae.first_stage_model.decoder, "run_up"):
+        # ComfyUI 0.33+: temporal chunks are off for the pair-decoding Wan decoder (see bridge/vae.py)
+        assert "mode=whole" in report and torch.equal(ours, ref)
+        return
     assert "mode=temporal" in report and ours.shape == ref.shape == (13, 96, 128, 3)
     p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
     print(f"\nWan temporal (1 latent frame per chunk): Levers {p_ours:.1f} dB, VAEDecodeTiled "
