@@ -36,11 +36,11 @@ def layout_axis(length: int, tile: int, overlap: int) -> list[Span]:
     for name, value in (("length", length), ("tile", tile)):
         if int(value) < 1:
             raise ConfigError(name, value, "an integer >= 1")
+    if tile >= length:
+        return [Span(0, length)]
     if overlap < 0 or overlap >= tile:
         raise ConfigError("overlap", overlap, f"0 <= overlap < tile ({tile})",
                           "Make the overlap smaller than the tile or the tile larger.")
-    if tile >= length:
-        return [Span(0, length)]
     n = math.ceil((length - overlap) / (tile - overlap))
     n = max(n, 2)
     starts = [round(i * (length - tile) / (n - 1)) for i in range(n)]

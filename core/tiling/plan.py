@@ -95,7 +95,8 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         return int(cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
 
     if tile is None or (tile >= h and tile >= w):
-        if tile is None and whole_peak(b) <= budget and (chunk_frames is None or not video):
+        chunks_possible = video and temporal_supported and chunk_frames is not None
+        if tile is None and whole_peak(b) <= budget and not chunks_possible:
             return TilePlan("whole", b, None, 0, None, whole_peak(b), budget,
                             "the whole decode fits the budget: no tiling (identical to VAEDecode)")
         if video and temporal_supported and tile is None:
