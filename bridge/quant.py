@@ -283,7 +283,11 @@ def resolve_save_path(save_path: str) -> str:
     if os.path.isabs(path):
         return path
     import folder_paths
-    return os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], path)
+    folders = folder_paths.get_folder_paths("diffusion_models")
+    existing = [f for f in folders if os.path.isdir(f)]
+    base = existing[0] if existing else folders[0]
+    os.makedirs(base, exist_ok=True)   # a fresh --base-directory may not have models/unet yet
+    return os.path.join(base, path)
 
 
 def choose_format(fmt: str, plan) -> tuple[str, list[str]]:

@@ -29,7 +29,7 @@ class LeversTiledVAEDecode(io.ComfyNode):
                         "with whole-image statistics so tiles match the untiled decode.",
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (image or video)."),
-                io.Vae.Input("vae"),
+                io.Vae.Input("vae", tooltip="The VAE to decode with (its own classes: SD/SDXL/FLUX/SD3 KL, Wan 2.1)."),
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan; its VAE tiling is used for sizes left at 0."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile size in output pixels, as in VAEDecodeTiled. 0 = auto: no tiling when the "

@@ -96,3 +96,13 @@ def test_bad_inputs_name_the_field(kwargs, field):
 def test_bad_latent_rank_is_refused():
     with pytest.raises(ConfigError, match="samples"):
         plan_decode((16, 64, 64), 8, COST, budget_bytes=10 ** 9)
+
+
+def test_auto_overlap_is_clamped_below_a_small_user_tile():
+    from comfyui_levers.core.tiling.plan import DecodeCost, plan_decode
+
+    cost = DecodeCost(whole_bytes_per_px=100.0, tile_bytes_per_px=100.0, stem_bytes_per_px=1.0,
+                      stored_bytes_per_px=1.0)
+    p = plan_decode((1, 4, 64, 64), 8, cost, 2**40, halo_px=40.0, tile=4)   # auto overlap would be 81px > 32px tile
+    assert p.tile == (4, 4) and 0 < p.overlap < 4
+    assert "clamped" in p.reason and not p.exact

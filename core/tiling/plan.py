@@ -132,13 +132,18 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
 
     if tile is not None:
         tt = (min(tile, h), min(tile, w))
+        clamped = ""
+        if overlap is None and ov >= min(tt):
+            # auto overlap (2 x the receptive field) does not fit a tile this small: use half a tile
+            ov = max(0, min(tt) // 2)
+            clamped = f"; auto overlap clamped to {ov * scale}px (half a tile)"
         if ov >= min(tt):
             raise ConfigError("overlap", ov * scale, f"less than tile_size ({min(tt) * scale}px)",
                               "Lower the overlap or raise tile_size.")
         exact = ov >= min_overlap
         why = "tile_size given" + ("" if exact else
                                    f"; overlap {ov * scale}px is below the decoder's receptive field "
-                                   f"({2 * halo_px + 1:.0f}px needed): seams are blended, not exact")
+                                   f"({2 * halo_px + 1:.0f}px needed): seams are blended, not exact") + clamped
         return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget, why, exact)
 
     if stem_peak > budget:
