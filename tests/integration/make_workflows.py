@@ -1,5 +1,5 @@
 """Regenerate example_workflows/ (UI + API format), the recorded /object_info fixture and the node
-reference in docs/workflows.md from a real ComfyUI's /object_info.
+reference in README.md from a real ComfyUI's /object_info.
 
     COMFYUI_PATH=/path/to/ComfyUI python tests/integration/make_workflows.py      # starts one
     python tests/integration/make_workflows.py --server http://127.0.0.1:8188     # or uses yours
@@ -26,7 +26,7 @@ from comfyui_levers.core.client import ComfyClient, InputSpec, input_specs, ui_t
 
 EXAMPLES = ROOT / "example_workflows"
 FIXTURE = ROOT / "tests" / "fixtures" / "object_info_workflows.json"
-DOC = ROOT / "docs" / "workflows.md"
+DOC = ROOT / "README.md"
 LEVERS_NODES = ("LeversRecommend", "LeversQuantizeDiT", "LeversPhaseOffload", "LeversGroupPrefetch",
                 "LeversTiledVAEDecode")
 
