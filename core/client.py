@@ -33,7 +33,7 @@ from .errors import LeversError
 
 DEFAULT_SERVER = "http://127.0.0.1:8188"
 
-# Exit codes of `levers run` (documented in docs/workflows.md).
+# Exit codes of `levers run` (documented in README.md, "Headless: levers run").
 EXIT_OK = 0
 EXIT_FAILED = 1          # ComfyUI rejected the prompt or execution failed / was interrupted
 EXIT_INVALID = 2         # the workflow or a --set is invalid (nothing was submitted)

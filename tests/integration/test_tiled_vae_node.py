@@ -4,7 +4,7 @@ Two VAEs of ComfyUI's own classes with random weights: the tiny Wan 2.1 VAE from
 fixture (loaded by VAELoader) and a small KL VAE (comfy.ldm.models.autoencoder.AutoencoderKL, the
 SD/SDXL/Flux decoder with GroupNorm) built here at width 32 through ``comfy.sd.VAE(config=...)``
 (VAELoader would build the full-width 128-channel decoder, too slow for a CPU test).
-The measured numbers are printed (run with -s) and recorded in docs/tiled_vae.md.
+The measured numbers are printed (run with -s) and recorded in README.md (TiledVAEDecode).
 """
 from __future__ import annotations
 
