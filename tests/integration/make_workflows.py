@@ -470,9 +470,9 @@ def render_reference(object_info: dict, node_ids) -> str:
     for node_id in node_ids:
         info = object_info.get(node_id)
         if info is None:
-            parts += [f"### `{node_id}`", "", "_Not registered on the reference server._", ""]
+            parts += [f"#### `{node_id}`", "", "_Not registered on the reference server._", ""]
             continue
-        parts += [f"### {info.get('display_name') or node_id} (`{node_id}`)", ""]
+        parts += [f"#### {info.get('display_name') or node_id} (`{node_id}`)", ""]
         if info.get("description"):
             parts += [info["description"].strip(), ""]
         parts += ["| Input | Type | Default | Range / choices | What it does |", "|---|---|---|---|---|"]
