@@ -160,7 +160,24 @@ def run_demo(steps: int = 4, size: int = 256, seed: int = 0) -> DemoReport:
             line, info = f"not in this build ({exc.name})", {"skipped": str(exc)}
         lines.append(f"- {name}: {line}")
         data["levers"][name] = info
+    peak = _peak_memory_bytes()
+    lines.append(f"- peak memory: {peak[0] / 2**20:.0f} MiB ({peak[1]})")
+    data["peak_memory_bytes"], data["peak_memory_source"] = peak
     return DemoReport("\n".join(lines), data)
+
+
+def _peak_memory_bytes() -> tuple[int, str]:
+    """Peak device memory on CUDA, else the process's peak resident set (Linux/macOS)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated()), "cuda.max_memory_allocated"
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024), "process peak RSS"
+    except ImportError:  # Windows
+        return 0, "unavailable on this OS"
 
 
 def _lever_quant(dit, decoder, latent, ref, image_ref, steps):

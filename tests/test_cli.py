@@ -71,3 +71,4 @@ def test_demo_runs_every_lever_and_keeps_lossless_ones_exact():
     assert levers["QuantizeDiT fp8"]["psnr_db"] > 30
     assert levers["TiledVAEDecode"]["psnr_db"] > 40
     assert "Levers plan" in report.text
+    assert report.data["peak_memory_bytes"] > 0 and "peak memory" in report.text
