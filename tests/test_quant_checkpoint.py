@@ -205,16 +205,9 @@ def _mmap_large_allocations() -> None:
 
 
 def _private_rss() -> int:
-    """Anonymous resident bytes of this process (Linux); falls back to psutil's USS elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil
-    return psutil.Process().memory_full_info().uss
+    from comfyui_levers.core.benchmark import private_bytes   # the bench's own measure, so both agree
+
+    return private_bytes() or 0
 
 
 def test_cli_quantize_and_exit_codes(src, tmp_path, capsys):
