@@ -8,6 +8,7 @@ import torch
 from ..core.errors import IncompatibleInput
 from ..core.presets import ModelSpec, PRESETS, get_preset
 from ..core.probe import Machine, probe
+from ..core.residency.blocks import find_blocks
 from .comfy_mode import comfy_device_facts, comfy_mode
 
 # ComfyUI model classes (comfy.model_base / diffusion module names) -> preset family and closest preset.
@@ -53,15 +54,11 @@ def _param_stats(module: torch.nn.Module) -> tuple[int, int, dict]:
 
 
 def _blocks(dm: torch.nn.Module) -> list[torch.nn.Module]:
-    """Repeated transformer blocks: the ModuleList children that hold most parameters."""
-    names = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "joint_blocks", "layers",
-             "input_blocks", "output_blocks")
-    out = []
-    for n in names:
-        ml = getattr(dm, n, None)
-        if isinstance(ml, torch.nn.ModuleList):
-            out.extend(list(ml))
-    return out
+    """Repeated transformer blocks, found as GroupPrefetch finds them (empty when there are none)."""
+    try:
+        return [m for _, m in find_blocks(dm).blocks]
+    except ValueError:
+        return []
 
 
 def _family(model) -> tuple[str, str]:
