@@ -294,7 +294,7 @@ class _Candidate:
     loss: float
 
 
-def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res, notes_out) -> _Candidate | None:
+def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | None:
     gpu_bf16 = machine.gpu.bf16
     vae_w = int(spec.vae_params * (2 if gpu_bf16 else 4))
     dit_res = dit.resident_bytes if dit.residency in (Residency.RESIDENT, Residency.STREAMED) else 0
@@ -321,7 +321,7 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res, notes_out) -> _C
         moves += (spec.experts - 1) * dit.weight_bytes / bw_pin if dit.residency is not Residency.STREAMED else 0
     if vae_res is Residency.PHASE:
         moves += vae_w / bw_pin
-    extra = dit.extra_seconds_per_gen * (spec.experts if spec.experts > 1 else 1) ** 0 + te.extra_seconds + moves
+    extra = dit.extra_seconds_per_gen + te.extra_seconds + moves
     if tiling is not None:
         extra += 0.15 * vae_peak / 1e9  # overlap recompute; small
     total = dit.step_seconds * wl.steps + extra
@@ -380,7 +380,7 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     tes = _te_options(spec, machine, budget, goal)
     cands = []
     for dit, te, vr in itertools.product(dits, tes, (Residency.RESIDENT, Residency.PHASE)):
-        c = _evaluate(spec, wl, machine, budget, act, dit, te, vr, notes)
+        c = _evaluate(spec, wl, machine, budget, act, dit, te, vr)
         if c is not None:
             cands.append(c)
     if not cands:
