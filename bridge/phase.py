@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ConfigError, IncompatibleInput
+from ..core.errors import ConfigError
 from ..core.residency.phase import MasterTable, swap_module_to
 from ..core.residency.pinned import PinMode, PinnedStore
 from ..core.residency.transport import make_transport
+from .inputs import require_clip, require_model, require_vae
 
 log = logging.getLogger("levers")
 
@@ -397,8 +398,7 @@ def _te_dtype(clip) -> torch.dtype | None:
 
 def wrap_vae(vae):
     """A VAE sharing the input's model but with its own patcher (the input VAE is not modified)."""
-    if not hasattr(vae, "patcher") or not hasattr(vae, "first_stage_model"):
-        raise IncompatibleInput("vae", "a ComfyUI VAE", vae)
+    require_vae(vae)
     new = copy.copy(vae)           # shallow: shares first_stage_model, its own attribute dict
     new.patcher = vae.patcher.clone()
     return new
@@ -407,8 +407,7 @@ def wrap_vae(vae):
 def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None):
     """Build the phase-managed MODEL / CLIP / VAE outputs and the group that ties them together."""
     settings = settings or PhaseSettings()
-    if model is None or not hasattr(model, "clone") or not hasattr(model, "model"):
-        raise IncompatibleInput("model", "a ComfyUI MODEL (ModelPatcher)", model)
+    require_model(model)
     group = PhaseGroup(settings)
     _LIVE.add(group)
     mm = _mm()
@@ -419,8 +418,7 @@ def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None):
 
     c = None
     if clip is not None:
-        if not hasattr(clip, "patcher") or not hasattr(clip, "cond_stage_model"):
-            raise IncompatibleInput("clip", "a ComfyUI CLIP", clip)
+        require_clip(clip)
         te_device = parse_device(settings.text_encoder_device, "text_encoder_device")
         want = TE_PRECISIONS[settings.text_encoder_precision]
         have = _te_dtype(clip)

@@ -34,6 +34,7 @@ from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchH
     measure_bandwidth
 from ..core.residency.transport import Transport, make_transport
 from .comfy_mode import dynamic_vram_active, patcher_is_dynamic
+from .inputs import require_model
 
 log = logging.getLogger("levers")
 
@@ -292,11 +293,9 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling."""
     import comfy.patcher_extension as pe
 
+    require_model(model)
     clone = model.clone()
-    diffusion = getattr(getattr(clone, "model", None), "diffusion_model", None)
-    if diffusion is None:
-        from ..core.errors import IncompatibleInput
-        raise IncompatibleInput("model", "a diffusion MODEL (ModelPatcher with model.diffusion_model)", model)
+    diffusion = clone.model.diffusion_model
     layout = find_blocks(diffusion)
     if patcher_is_dynamic(clone) or dynamic_vram_active():
         return clone, stand_aside_line()

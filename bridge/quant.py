@@ -24,6 +24,7 @@ from ..core.quant import checkpoint as qckpt
 from ..core.quant.linear import QuantLinear, clone_module_tree, is_quantized_module, quantize_module
 from ..core.quant.registry import Granularity, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
 from ..core.types import Precision
+from .inputs import require_model
 
 log = logging.getLogger("levers")
 
@@ -185,11 +186,9 @@ def quantize_patcher(patcher, config: QuantConfig, arch: str | None = None, meas
     import comfy.model_management as mm
     import comfy.utils
 
-    model = getattr(patcher, "model", None)
-    dm = getattr(model, "diffusion_model", None)
-    if dm is None:
-        raise IncompatibleInput("model", "a ComfyUI MODEL (ModelPatcher with a diffusion_model)", patcher,
-                                "wire the MODEL output of a loader into QuantizeDiT")
+    require_model(patcher)
+    model = patcher.model
+    dm = model.diffusion_model
     if is_quantized_module(dm):
         report = QuantReport(config=config, arch="(already quantized)")
         report.notes.append("input model already holds quantized weights (fp8/int8/nf4 checkpoint, GGUF or an "

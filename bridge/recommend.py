@@ -5,11 +5,11 @@ import dataclasses
 
 import torch
 
-from ..core.errors import IncompatibleInput
 from ..core.presets import ModelSpec, PRESETS, get_preset
 from ..core.probe import Machine, probe
 from ..core.residency.blocks import find_blocks
 from .comfy_mode import comfy_device_facts, comfy_mode
+from .inputs import require_clip, require_model, require_vae
 
 # ComfyUI model classes (comfy.model_base / diffusion module names) -> preset family and closest preset.
 _FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("wan", "wan", "wan2.1-14b"),
@@ -17,27 +17,6 @@ _FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("w
              ("qwen", "qwen", "qwen-image"), ("ltx", "ltxv", "ltxv"), ("lightricks", "ltxv", "ltxv"),
              ("mmdit", "sd3", "sd3.5-large"), ("sd3", "sd3", "sd3.5-large"), ("sdxl", "sdxl", "sdxl"),
              ("unet", "sdxl", "sdxl")]
-
-
-def require_model(model, name: str = "model"):
-    """A MODEL input must be a ComfyUI ModelPatcher around a diffusion model."""
-    if model is None or not hasattr(model, "model") or not hasattr(getattr(model, "model"), "diffusion_model"):
-        raise IncompatibleInput(name, "a MODEL (from Load Diffusion Model / Load Checkpoint)", model,
-                                "Connect the MODEL output of a loader, not a CLIP, VAE or other value.")
-    return model
-
-
-def require_clip(clip, name: str = "clip"):
-    if clip is None or not hasattr(clip, "cond_stage_model"):
-        raise IncompatibleInput(name, "a CLIP (from a CLIP/text-encoder loader)", clip,
-                                "Connect the CLIP output of Load CLIP / DualCLIPLoader / Load Checkpoint.")
-    return clip
-
-
-def require_vae(vae, name: str = "vae"):
-    if vae is None or not hasattr(vae, "first_stage_model"):
-        raise IncompatibleInput(name, "a VAE (from Load VAE / Load Checkpoint)", vae, "Connect the VAE output of a loader.")
-    return vae
 
 
 def _param_stats(module: torch.nn.Module) -> tuple[int, int, dict]:

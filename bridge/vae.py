@@ -22,6 +22,7 @@ from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, dec
                            measure_halo, measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.overrides import override_forwards
+from .inputs import require_vae
 
 log = logging.getLogger("levers")
 # node choice -> (core method, passes)
@@ -220,8 +221,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     import comfy.utils
 
     settings.validate()
-    if not hasattr(vae, "first_stage_model") or not hasattr(vae, "decode"):
-        raise IncompatibleInput("vae", "a VAE (comfy.sd.VAE)", vae, "Wire a VAE loader's output into 'vae'.")
+    require_vae(vae)
     vae.throw_exception_if_invalid()
     if not isinstance(samples, torch.Tensor):
         raise IncompatibleInput("samples", "a LATENT tensor", samples)
