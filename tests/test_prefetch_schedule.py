@@ -226,7 +226,7 @@ def test_resident_groups_never_exceed_the_budget():
             assert s["device_bytes_planned"] <= budget
             assert s["resident_bytes"] + s["slot_bytes"] <= budget
             layout_bytes = h.store.block_bytes()
-            seen.append(s["resident_groups"])
+            seen.append(s["resident_bytes"])
             with torch.no_grad():
                 m(*wan_inputs())
         finally:
@@ -234,6 +234,84 @@ def test_resident_groups_never_exceed_the_budget():
     resident = [r for r in seen if r is not None]
     assert resident == sorted(resident) and resident[-1] > resident[0]
     assert layout_bytes is not None
+
+
+def _tight(m, tr, slots=2):
+    """A budget that holds the remainder, half the blocks and ``slots`` whole-block slots."""
+    probe = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, BIG), tr, bandwidth=0)
+    try:
+        blocks = probe.store.block_bytes()
+        return probe.remainder_bytes + sum(blocks) // 2 + slots * max(blocks)
+    finally:
+        probe.remove()
+
+
+@pytest.mark.parametrize("make,inputs", [(make_wan, wan_inputs), (lambda: make_flux(fp8_single=True), flux_inputs)])
+def test_split_blocks_stream_fewer_bytes_in_the_same_budget_bit_identical(make, inputs):
+    m = make()
+    x = inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    budget = _tight(m, _rec())
+    whole_tr, split_tr = _rec(), _rec()
+    whole = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget, partial_blocks=False), whole_tr, bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(*x)
+            assert torch.equal(m(*x), ref)
+        whole_bytes = whole.last.h2d_bytes
+        assert not whole.plan.split
+    finally:
+        whole.remove()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget), split_tr, bandwidth=0)
+    try:
+        assert h.plan.split
+        s = h.stats()
+        assert s["resident_bytes"] + s["slot_bytes"] <= budget
+        with torch.no_grad():
+            m(*x)
+            out = m(*x)
+        assert torch.equal(out, ref)
+        assert h.last.h2d_bytes == h.plan.streamed_bytes == _streamed_bytes(h)
+        assert h.last.d2h_bytes == 0
+        assert h.last.h2d_bytes < whole_bytes
+        # the slot is smaller than a whole block, and the split blocks keep their tails resident
+        assert s["slot_bytes"] < 2 * max(h.store.block_bytes())
+        assert s["split_blocks"] > 0 and "split blocks:" in h.report()
+        tails = [e for gi, k in enumerate(h.plan.cuts) for e in h.store.by_block[gi][k:]]
+        assert tails and all(e.refs[0].get().data_ptr() != e.host_view.data_ptr() for e in tails)
+    finally:
+        h.remove()
+    with torch.no_grad():
+        assert torch.equal(m(*x), ref)     # removed: the plain module again
+
+
+def test_split_plan_remove_restores_every_tensor():
+    m = make_flux(fp8_single=True)
+    before = {n: (t.clone(), t.stride(), t.device) for n, t in m.state_dict(keep_vars=True).items()}
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, _tight(m, _rec())), _rec(), bandwidth=0)
+    assert h.plan.split
+    with torch.no_grad():
+        m(*flux_inputs())
+    h.remove()
+    for n, t in m.state_dict(keep_vars=True).items():
+        v, stride, device = before[n]
+        assert t.device == device and t.stride() == stride and torch.equal(t.float(), v.float()), n
+
+
+def test_split_plans_only_when_allowed():
+    m = make_wan(n=8)
+    budget = _tight(m, _rec())
+    for cfg in (PrefetchConfig(2, 1, AUTO, budget), PrefetchConfig(1, 1, 1, budget),
+                PrefetchConfig(1, 1, AUTO, budget, partial_blocks=False)):
+        try:
+            h = apply_group_prefetch(m, cfg, _rec(), bandwidth=0)
+        except BudgetExceeded:
+            continue
+        try:
+            assert not h.plan.split, cfg
+        finally:
+            h.remove()
 
 
 def test_budget_too_small_raises_budget_exceeded():

@@ -8,6 +8,11 @@ Layout (what lives where):
   their arena view whenever their group is not computing (zero bytes moved to "offload").
 - Device: ``prefetch_depth + 1`` static slots per dtype sized for the largest group (allocated
   once, never freed in the hot path), a resident prefix of groups, and the remainder.
+- Split blocks (``partial_blocks``): a streamed block may keep the tail of its tensors resident and
+  stream only a head of at most ``cap`` bytes. Slots then hold ``cap`` instead of a whole block, so
+  under a tight budget the room whole-block slots would take keeps weights resident instead: with
+  N blocks and S slots, about (model - budget) * N / (N - S) bytes stream instead of
+  (model - budget) + S * largest block.
 
 Schedule per streamed group g (hooks on the blocks, opaque to torch.compile):
   pre-hook of g's first block: [load g if it was not prefetched] -> prefetch the next
@@ -19,6 +24,7 @@ Schedule per streamed group g (hooks on the blocks, opaque to torch.compile):
 """
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -61,6 +67,9 @@ class PrefetchConfig:
     manage_resident: move the remainder and the resident groups to the device (False when the
         caller, e.g. ComfyUI's loader, places them).
     pin: page-lock the host arenas when the transport can.
+    partial_blocks: with one block per group and no fixed resident prefix, also consider plans
+        where streamed blocks keep part of their tensors resident (smaller slots, fewer bytes
+        streamed under a tight budget).
     """
 
     blocks_per_group: int | str = AUTO
@@ -69,6 +78,7 @@ class PrefetchConfig:
     budget_bytes: int | str = AUTO
     manage_resident: bool = True
     pin: bool = True
+    partial_blocks: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks_per_group", _auto_or_int("blocks_per_group", self.blocks_per_group, 1))
@@ -299,6 +309,37 @@ class HostStore:
         r = self.block_range[dtype]
         return r[b0][0], r[b1 - 1][1]
 
+    def cut_span(self, dtype: torch.dtype, b: int, k: int) -> tuple[int, int]:
+        """Element range in the ``dtype`` arena of block ``b``'s first ``k`` tensors (its streamed
+        head when the block is split); entries of one dtype sit in increasing offset order."""
+        lo = self.block_range[dtype][b][0]
+        return lo, lo + self.head_table()[dtype][b][k]
+
+    def head_table(self) -> dict[torch.dtype, list[list[int]]]:
+        """Per dtype, per block, the elements (aligned) of its first k tensors, k = 0..len(entries)."""
+        if getattr(self, "_heads", None) is None:
+            table: dict[torch.dtype, list[list[int]]] = {}
+            for dtype, arena in self.arenas.items():
+                align = max(1, ALIGN_BYTES // arena.element_size())
+                rows = []
+                for b in range(self.n_blocks):
+                    lo, hi = self.block_range[dtype][b]
+                    row, end = [0], lo
+                    for e in self.by_block[b]:
+                        if e.dtype == dtype:
+                            end = max(end, e.offset + e.span)
+                        row.append(min(hi, -(-end // align) * align) - lo)
+                    rows.append(row)
+                table[dtype] = rows
+            self._heads = table
+        return self._heads
+
+    def head_bytes(self, b: int) -> list[int]:
+        """Bytes streamed when block ``b`` streams its first k tensors, for k = 0..len(entries)."""
+        table = self.head_table()
+        return [sum(table[d][b][k] * a.element_size() for d, a in self.arenas.items())
+                for k in range(len(self.by_block[b]) + 1)]
+
     def group_bytes(self, b0: int, b1: int) -> int:
         total = 0
         for dtype, arena in self.arenas.items():
@@ -344,6 +385,11 @@ class GroupPlan:
     compute_s: float | None = None
     transfer_s: float | None = None
     reason: str = ""
+    cuts: tuple[int, ...] | None = None   # split plan: per block, how many leading tensors stream
+
+    @property
+    def split(self) -> bool:
+        return self.cuts is not None
 
     @property
     def streamed_groups(self) -> int:
@@ -443,11 +489,81 @@ def plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, r
                 if best is None or _better(plan, best):
                     best = plan
                 break   # r descends: the first that fits is the most resident for (g, d)
+    if config.partial_blocks and fixed_g in (AUTO, 1) and fixed_r in (AUTO, 0) and n:
+        ds = [fixed_d] if fixed_d != AUTO else list(range(1, MAX_AUTO_DEPTH + 1))
+        for d in ds:
+            found = _split_plan(store, d, budget_bytes, remainder_bytes)
+            if found is None:
+                continue
+            cuts, need, slots, streamed = found
+            smallest_need = need if smallest_need is None else min(smallest_need, need)
+            plan = _score_split(store, d, cuts, need, slots, streamed, bandwidth, block_compute_s, other_compute_s)
+            if best is None or _better(plan, best):
+                best = plan
     if best is None:
         raise BudgetExceeded(int(smallest_need or 0), int(budget_bytes), "diffusion_model (group prefetch)",
                              hint="Raise the VRAM budget, use smaller groups (blocks_per_group=1, prefetch_depth=1, "
                                   "resident_groups=0) or quantize the model first so fewer bytes stream.")
     return best
+
+
+def _split_layout(store: HostStore, cuts: Sequence[int], d: int) -> tuple[int, int, int]:
+    """(device bytes of the blocks: resident tails + slots, slot bytes, streamed bytes) of a split plan."""
+    table = store.head_table()
+    slot = streamed = 0
+    for dtype, arena in store.arenas.items():
+        widths = [table[dtype][b][k] for b, k in enumerate(cuts)]
+        streamed += sum(widths) * arena.element_size()
+        slot += max(widths, default=0) * arena.element_size()
+    slots = (d + 1) * slot if any(cuts) else 0
+    return sum(store.block_bytes()) - streamed + slots, slots, streamed
+
+
+def _split_plan(store: HostStore, d: int, budget_bytes: float,
+                remainder_bytes: int) -> tuple[tuple[int, ...], int, int, int] | None:
+    """The split plan with ``d + 1`` slots that streams the fewest bytes and fits the budget.
+
+    Every block streams the longest head of its tensors that fits a common cap; the rest of it
+    stays resident. Streamed bytes only grow with the cap, so the smallest cap that fits is the
+    plan (raising the cap grows the slots by (d + 1) x the step but frees up to n x the step of
+    resident tails). Caps are tried in increasing order of head size."""
+    heads = [store.head_bytes(b) for b in range(store.n_blocks)]
+    total = sum(store.block_bytes())
+    for cap in sorted({h for hs in heads for h in hs if h > 0}):
+        cuts = tuple(bisect.bisect_right(hs, cap) - 1 for hs in heads)   # heads grow with k
+        if sum(1 for k in cuts if k) <= d:
+            continue   # no deeper than the stream: the slots would just hold everything
+        streamed = sum(hs[k] for hs, k in zip(heads, cuts))
+        if remainder_bytes + total - streamed > budget_bytes:
+            continue   # even with free slots the resident tails do not fit
+        dev, slots, streamed = _split_layout(store, cuts, d)
+        if remainder_bytes + dev <= budget_bytes:
+            return cuts, remainder_bytes + dev, slots, streamed
+    return None
+
+
+def _score_split(store, d, cuts, need, slots, streamed, bandwidth, block_compute_s, other_compute_s) -> GroupPlan:
+    n = store.n_blocks
+    plan = GroupPlan(1, d, 0, n, need, slots, streamed, cuts=tuple(cuts),
+                     reason="split blocks: streamed heads, resident tails")
+    if bandwidth is None or block_compute_s is None:
+        return plan
+    heads = [store.head_bytes(b)[k] for b, k in enumerate(cuts)]
+    # a streamed group's compute runs until the next streamed block (resident blocks in between)
+    pre, comp, copy = other_compute_s, [], []
+    for b in range(n):
+        if cuts[b]:
+            comp.append(block_compute_s[b])
+            copy.append(heads[b] / bandwidth)
+        elif comp:
+            comp[-1] += block_compute_s[b]
+        else:
+            pre += block_compute_s[b]
+    total_compute = pre + sum(comp)
+    transfer = sum(copy)
+    predicted = simulate_forward(pre, comp, copy, d) if comp else total_compute
+    return replace(plan, predicted_s=predicted, floor_s=max(total_compute, transfer), compute_s=total_compute,
+                   transfer_s=transfer)
 
 
 def _score(store, g, d, r, n_groups, need, slots, streamed, bandwidth, block_compute_s, other_compute_s) -> GroupPlan:
@@ -670,36 +786,33 @@ class PrefetchHandle:
         g = plan.blocks_per_group
         self.plan = plan
         self.groups, self.group_of = [], [0] * n
+        kept: list[tuple[int, int]] = []   # (block, first resident entry) per block with a resident part
         for gi in range(plan.n_groups):
             b0, b1 = gi * g, min(n, (gi + 1) * g)
-            grp = _Group(gi, b0, b1, gi < plan.resident_groups, f"group{gi}", store.group_bytes(b0, b1))
-            for dtype, arena in store.arenas.items():
-                lo, hi = store.span(dtype, b0, b1)
+            if plan.split:
+                k = plan.cuts[gi]
+                grp = _Group(gi, b0, b1, k == 0, f"group{gi}")
+                grp.entries = store.by_block[b0][:k]
+                spans = {d: store.cut_span(d, b0, k) for d in store.arenas}
+                if k < len(store.by_block[b0]):
+                    kept.append((b0, k))
+            else:
+                grp = _Group(gi, b0, b1, gi < plan.resident_groups, f"group{gi}")
+                grp.entries = [e for b in range(b0, b1) for e in store.by_block[b]]
+                spans = {d: store.span(d, b0, b1) for d in store.arenas}
+                if grp.resident and self.config.manage_resident:
+                    kept.extend((b, 0) for b in range(b0, b1))
+            for dtype, (lo, hi) in spans.items():
                 if hi > lo:
-                    grp.host[dtype] = arena[lo:hi]
-            grp.entries = [e for b in range(b0, b1) for e in store.by_block[b]]
+                    grp.host[dtype] = store.arenas[dtype][lo:hi]
+                    grp.nbytes += (hi - lo) * store.arenas[dtype].element_size()
             self.groups.append(grp)
             for b in range(b0, b1):
                 self.group_of[b] = gi
         self.stream_order = [grp.index for grp in self.groups if not grp.resident]
         with torch.no_grad(), torch.inference_mode(self.store.inference):
-            # resident prefix: one copy per dtype into a dedicated buffer, bound for good
-            res = [grp for grp in self.groups if grp.resident]
-            if res and self.config.manage_resident:
-                b1 = res[-1].b1
-                for dtype, arena in store.arenas.items():
-                    lo, hi = store.span(dtype, 0, b1)
-                    if hi > lo:
-                        buf = self.transport.empty((hi - lo,), dtype)
-                        self.transport.copy_to_device(arena[lo:hi], buf, tag="resident")
-                        self._resident_bufs[dtype] = buf
-                ev = self.transport.record("resident")
-                self.transport.wait(ev, "resident")
-                for grp in res:
-                    for e in grp.entries:
-                        lo = store.span(e.dtype, 0, b1)[0]
-                        _bind(e, self._resident_bufs[e.dtype].as_strided(e.shape, e.stride, e.offset - lo))
-            elif res:
+            self._place_resident(kept)
+            if not plan.split and not self.config.manage_resident and plan.resident_groups:
                 self.notes.append("resident groups are placed by the caller (manage_resident=False)")
             # static slots, sized for the widest streamed group per dtype
             if self.stream_order:
@@ -727,6 +840,40 @@ class PrefetchHandle:
         if self.stream_order and len(self.stream_order) <= plan.prefetch_depth:
             self.notes.append(f"only {len(self.stream_order)} streamed group(s) for prefetch_depth="
                               f"{plan.prefetch_depth}: they stay in their slots after the first forward")
+
+    def _place_resident(self, kept: Sequence[tuple[int, int]]) -> None:
+        """Copy the resident parts (whole resident blocks, tails of split blocks) to one device
+        buffer per dtype, one copy per contiguous arena range, and bind their tensors for good."""
+        store = self.store
+        for dtype, arena in store.arenas.items():
+            ranges: list[list[int]] = []            # merged [lo, hi) element ranges in the arena
+            for b, k in kept:
+                lo = store.block_range[dtype][b][0] + store.head_table()[dtype][b][k]
+                hi = store.block_range[dtype][b][1]
+                if hi <= lo:
+                    continue
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1][1] = hi
+                else:
+                    ranges.append([lo, hi])
+            if not ranges:
+                continue
+            buf = self.transport.empty((sum(hi - lo for lo, hi in ranges),), dtype)
+            base, where = 0, []
+            for lo, hi in ranges:
+                self.transport.copy_to_device(arena[lo:hi], buf[base:base + hi - lo], tag="resident")
+                where.append((lo, hi, base))
+                base += hi - lo
+            self._resident_bufs[dtype] = buf
+            for b, k in kept:
+                for e in store.by_block[b][k:]:
+                    if e.dtype != dtype:
+                        continue
+                    lo, _, at = next(w for w in where if w[0] <= e.offset < w[1])
+                    _bind(e, buf.as_strided(e.shape, e.stride, at + e.offset - lo))
+        if self._resident_bufs:
+            ev = self.transport.record("resident")
+            self.transport.wait(ev, "resident")
 
     def _teardown(self) -> None:
         """Undo ``_build``: every streamed and resident tensor back on its host view."""
@@ -912,6 +1059,10 @@ class PrefetchHandle:
             "groups": p.n_groups,
             "resident_groups": p.resident_groups,
             "streamed_groups": len(self.stream_order),
+            "split_blocks": (sum(1 for gi, k in enumerate(p.cuts) if 0 < k < len(self.store.by_block[gi]))
+                             if p.split else 0),
+            "resident_blocks": (sum(1 for k in p.cuts if k == 0) if p.split
+                                else min(self.store.n_blocks, p.resident_groups * p.blocks_per_group)),
             "streamed_bytes_per_forward": p.streamed_bytes,
             "resident_bytes": resident_dev + self.remainder_bytes,
             "slot_bytes": sum(tensor_nbytes(b) for s in self.slots for b in s.buffers.values()),
@@ -936,11 +1087,14 @@ class PrefetchHandle:
         }
 
     def report(self) -> str:
-        s = self.stats()
+        s, p = self.stats(), self.plan
         lines = [
             f"GroupPrefetch: {s['architecture']} model, {s['blocks']} blocks in {s['groups']} groups of "
             f"{s['blocks_per_group']}; {s['resident_groups']} resident, {s['streamed_groups']} streamed, "
             f"prefetch depth {s['prefetch_depth']} ({len(self.slots)} device slots).",
+            *([f"split blocks: {s['split_blocks']} blocks stream a head of their tensors and keep the tail "
+               f"resident, {s['resident_blocks']} stay whole on the device (smaller slots leave room for more "
+               f"resident weights)."] if p.split else []),
             f"device: {_gb(s['resident_bytes'])} resident + {_gb(s['slot_bytes'])} slots"
             + (f" (budget {_gb(s['budget_bytes'])})" if s["budget_bytes"] is not None else "")
             + f"; host arena {_gb(s['host_bytes'])}, pinned {_gb(s['pinned_bytes'])}.",
