@@ -1309,26 +1309,38 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
     case("resident", None, None, floor)
     step_est = ref["s_per_step"] or 1.0
 
-    # the same model quantized to fp8 by QuantizeDiT (census applied), resident, unbudgeted
-    def fp8(r: dict) -> None:
+    # the same model quantized to fp8 by QuantizeDiT (census applied), resident, unbudgeted, once
+    # per fp8 compute mode (quantized once; the modes only change how each layer multiplies)
+    qstate: dict[str, Any] = {}
+
+    def fp8(r: dict, mode: str) -> None:
         q = suite.pieces.need("quant", "QuantConfig", "quantize_model")
         if q is None:
             raise Skip(f"core/quant unavailable ({suite.pieces.status.get('quant')})")
         enough_time(10 + (warmup + iters) * step_est)
-        model = host.bind(make_meta_model(spec))
-        with torch.inference_mode():
-            model.to(dev)
-            t0 = time.perf_counter()
-            qmodel, report = q.quantize_model(model, q.QuantConfig(format="fp8_e4m3fn"))
-            sync(dev)
-            quant_s = time.perf_counter() - t0
-        del model
-        free_device_memory(dev)
+        if "model" not in qstate:
+            model = host.bind(make_meta_model(spec))
+            with torch.inference_mode():
+                model.to(dev)
+                t0 = time.perf_counter()
+                qstate["model"], qstate["report"] = q.quantize_model(model, q.QuantConfig(format="fp8_e4m3fn"))
+                sync(dev)
+                qstate["quant_s"] = time.perf_counter() - t0
+            del model
+            free_device_memory(dev)
+        qmodel, report = qstate["model"], qstate["report"]
+        layers = [m for m in qmodel.modules() if hasattr(m, "fp8_compute")]
+        for m in layers:
+            m.fp8_compute = mode
+        probe_in = torch.zeros(2, layers[0].in_features, device=dev, dtype=DTYPE["value"]) if layers else None
+        if mode != "off" and not (layers and layers[0]._fp8_fast_path(probe_in)):
+            raise Skip(f"fp8 compute mode {mode}: fast path unavailable on this GPU/torch")
         reset_peak(dev)
         with torch.inference_mode():
             times, out = time_steps(lambda: qmodel(*inputs), dev, warmup, iters, deadline)
-        finish(r, times, out, quant_s, None)
-        r["quantize_s"] = rnd(quant_s, 2)
+        finish(r, times, out, qstate["quant_s"], None)
+        r["fp8_compute_mode"] = mode
+        r["quantize_s"] = rnd(qstate["quant_s"], 2)
         r["weight_bytes_after"] = sum(p.numel() * p.element_size() for p in qmodel.parameters())
         if ref["out"] is not None:
             r["sqnr_db_vs_bf16"] = rnd(sqnr_db(ref["out"], out.detach().to("cpu")), 2)
@@ -1343,7 +1355,13 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         r["quant_report"]["layers"] = len(getattr(report, "layers", []) or [])
 
     if not suite.args.no_fp8_dit:
-        case("resident_fp8", None, None, fp8)
+        try:
+            for mode in suite.args.fp8_modes.split(","):
+                case("resident_fp8" if mode == "off" else f"resident_fp8_{mode}", None, None,
+                     lambda r, mode=mode: fp8(r, mode))
+        finally:
+            qstate.clear()
+            free_device_memory(dev)
 
     for label, budget in dit_budgets(suite, spec):
         def prefetch(r: dict, budget=budget) -> None:
@@ -1625,10 +1643,9 @@ def sec_quant(suite: Suite, sec: dict, deadline: float) -> None:
                     wbytes = sum(p.numel() * p.element_size() for nm, p in ql.named_parameters() if nm != "bias")
                     cell = {"ms": rnd(t * 1e3, 4), "sqnr_db": rnd(sqnr_db(ref, y), 2), "weight_bytes": wbytes,
                             "speedup_vs_bf16": rnd(row["bf16"]["ms"] / (t * 1e3), 3)}
-                    if fmt == "fp8_e4m3fn" and hasattr(ql, "use_fp8_compute"):
-                        ql.use_fp8_compute = False        # the dequantize-then-bf16 path, for contrast
-                        cell["dequant_path_ms"] = rnd(bench_fn(lambda: ql(x), dev, warmup, reps) * 1e3, 4)
-                        ql.use_fp8_compute = True
+                    if fmt == "fp8_e4m3fn" and hasattr(ql, "fp8_compute"):
+                        cell["mode"] = ql._fp8_mode() if ql._fp8_fast_path(x) else "off"
+                        cell["modes"] = fp8_modes(q, lin, x, ref, dev, warmup, reps, row["bf16"]["ms"])
                     row[fmt] = cell
                 except Exception as exc:  # noqa: BLE001 - one format failing must not hide the others
                     row[fmt] = {"failed": short_exc(exc)}
@@ -1636,11 +1653,38 @@ def sec_quant(suite: Suite, sec: dict, deadline: float) -> None:
         log(f"  {name:<15} bf16 {row['bf16']['ms']:.3f} ms | " + " | ".join(
             f"{f} {row[f].get('ms', '-')} ms {row[f].get('sqnr_db', '')} dB" for f in FORMATS if isinstance(row.get(f), dict)))
     # speed-ups over the layers where both bf16 and the format ran
+    sec["fp8_modes_speedup_vs_bf16"] = {}
+    for key in ("off/per_row", "tensorwise/per_tensor", "tensorwise/per_row", "rowwise/per_row"):
+        rows = [r for r in sec["layers"] if "ms" in ((r.get("fp8_e4m3fn") or {}).get("modes") or {}).get(key, {})]
+        if rows:
+            sec["fp8_modes_speedup_vs_bf16"][key] = rnd(
+                sum(r["bf16"]["ms"] for r in rows) / sum(r["fp8_e4m3fn"]["modes"][key]["ms"] for r in rows), 3)
     sec["speedup_vs_bf16"] = {}
     for fmt in FORMATS:
         rows = [r for r in sec["layers"] if isinstance(r.get(fmt), dict) and "ms" in r[fmt] and "bf16" in r]
         if rows:
             sec["speedup_vs_bf16"][fmt] = rnd(sum(r["bf16"]["ms"] for r in rows) / sum(r[fmt]["ms"] for r in rows), 3)
+
+
+def fp8_modes(q, lin, x, ref, dev, warmup: int, reps: int, bf16_ms: float) -> dict:
+    """Every fp8 compute mode (and weight granularity) of QuantLinear on one layer: ms, SQNR."""
+    out: dict[str, dict] = {}
+    for mode, gran in (("off", "per_row"), ("tensorwise", "per_tensor"), ("tensorwise", "per_row"),
+                       ("rowwise", "per_row")):
+        key = f"{mode}/{gran}"
+        try:
+            ql = q.QuantLinear.from_linear(lin, q.QuantConfig(format="fp8_e4m3fn", granularity=gran))
+            ql.fp8_compute = mode
+            if mode != "off" and not ql._fp8_fast_path(x):
+                out[key] = {"skipped": "fp8 fast path unavailable here"}
+                continue
+            y = ql(x)
+            t = bench_fn(lambda: ql(x), dev, warmup, reps)
+            out[key] = {"ms": rnd(t * 1e3, 4), "sqnr_db": rnd(sqnr_db(ref, y), 2),
+                        "speedup_vs_bf16": rnd(bf16_ms / (t * 1e3), 3)}
+        except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others
+            out[key] = {"failed": short_exc(exc)}
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1993,14 +2037,21 @@ def build_summary(results: dict) -> dict[str, Any]:
                                                  None if d2h is None else d2h == 0)
 
     # fp8: the FLUX step first, else the linears
-    fp8_step = [c for c in ok if c["engine"] == "resident_fp8" and c.get("speedup_vs_bf16")]
+    fp8_step = [c for c in ok if c["engine"].startswith("resident_fp8") and c.get("speedup_vs_bf16")]
     q = results.get("sections", {}).get("quant", {})
     lin = (q.get("speedup_vs_bf16") or {}).get("fp8_e4m3fn")
     if fp8_step:
-        by_model = {c["model"]: c["speedup_vs_bf16"] for c in fp8_step}
+        by_mode: dict[str, dict[str, float]] = {}
+        for c in fp8_step:
+            by_mode.setdefault(c.get("fp8_compute_mode", "off"), {})[c["model"]] = c["speedup_vs_bf16"]
+        # the mode that is fastest on the FLUX step (else any model) is the one to ship as default
+        best = max(by_mode, key=lambda m: by_mode[m].get("flux", max(by_mode[m].values())))
+        by_model = by_mode[best]
         val = by_model.get("flux", next(iter(by_model.values())))
         summary["fp8_speedup_vs_bf16"] = _metric(val, None, ">= 1.2", val >= 1.2, by_model_step=by_model,
-                                                 linears=lin, source="whole-DiT step, resident")
+                                                 best_mode=best, by_mode=by_mode, linears=lin,
+                                                 modes_linears=q.get("fp8_modes_speedup_vs_bf16"),
+                                                 source="whole-DiT step, resident, fastest fp8 compute mode")
     else:
         summary["fp8_speedup_vs_bf16"] = _metric(lin, _section_reason(results, "quant") or "fp8 did not run",
                                                  ">= 1.2", None if lin is None else lin >= 1.2,
@@ -2219,6 +2270,8 @@ SECTIONS = {"bandwidth": sec_bandwidth, "dit": sec_dit, "phase": sec_phase, "qua
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (suite.json, suite.md, suite.png, suite.log)")
+    p.add_argument("--fp8-modes", default="off,tensorwise,rowwise",
+                   help="fp8 compute modes timed on the whole DiT (comma list of off, tensorwise, rowwise)")
     p.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"),
                    help="ComfyUI checkout for the baseline (default: $COMFYUI_PATH; none = baseline skipped)")
     p.add_argument("--sections", default=",".join(SECTION_ORDER),

@@ -187,7 +187,11 @@ class _Session:
             import comfy.model_management as mm
             if not mm.is_device_cpu(dev):
                 mm.free_memory(budget, dev)   # ask ComfyUI for the slots' room before taking it
-        cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False)
+        user = self.state.request.config
+        # split blocks (resident tails, smaller slots) only when the resident part is ours to size:
+        # a fixed resident_groups or an unlimited budget means "stream exactly the other blocks"
+        split = user.partial_blocks and user.resident_groups == AUTO and budget != AUTO
+        cfg = replace(user, resident_groups=0, budget_bytes=budget, manage_resident=False, partial_blocks=split)
         layout = replace(self.layout, blocks=tuple(self.streamed))
         self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
                                            layout=layout)

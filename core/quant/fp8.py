@@ -97,19 +97,47 @@ def fp8_compute_available(device: torch.device) -> tuple[bool, str]:
     return True, f"sm {major}.{minor}"
 
 
-def scaled_mm_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, granularity: Granularity,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x @ (codes * scale).T + bias with fp8 tensor cores: x is quantized per token on the fly.
+# How QuantLinear runs an fp8 layer on a GPU with fp8 tensor cores:
+#   off         dequantize the weight to the compute dtype, bf16 matmul (also every other GPU)
+#   tensorwise  one scale for the whole activation (one reduction kernel, no host sync), cuBLASLt
+#               tensorwise fp8 GEMM; per-row weight scales are applied to the output columns
+#   rowwise     one scale per token and per output row (torch's rowwise-scaled fp8 GEMM)
+FP8_COMPUTE_MODES = ("off", "tensorwise", "rowwise")
 
-    Needs per_tensor or per_row scales, in/out features multiples of 16. x: (..., in) -> (..., out).
+
+def scaled_mm_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, granularity: Granularity,
+                     bias: torch.Tensor | None, mode: str = "tensorwise") -> torch.Tensor:
+    """y = x @ (codes * scale).T + bias with fp8 tensor cores; x is quantized on the fly.
+
+    Needs per_tensor or per_row weight scales, in/out features multiples of 16, a bf16/fp16 x.
+    The activation scale is rounded to x's dtype first, so dividing by it and undoing it in the
+    GEMM use the same number. x: (..., in) -> (..., out).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])                                        # (tokens, in)
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(_TINY)  # (tokens, 1)
-    x8 = (x2.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    w_scale = scale.float().reshape(1, -1) if granularity == Granularity.PER_ROW \
-        else scale.float().reshape(1, 1).expand(1, codes.shape[0])      # (1, out)
-    # rowwise scaling wants both scales rowwise: (tokens, 1) and (1, out).
-    y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale, scale_b=w_scale.contiguous(),
-                         bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
-    return y.reshape(*shape[:-1], codes.shape[0])
+    out_features = codes.shape[0]
+    if mode == "rowwise":
+        amax = torch.linalg.vector_norm(x2, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+        x_scale = (amax / FP8_MAX).clamp_min(_TINY).to(x2.dtype)        # (tokens, 1)
+        x8 = (x2 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        w_scale = scale.float().reshape(1, -1) if granularity == Granularity.PER_ROW \
+            else scale.float().reshape(1, 1).expand(1, out_features)   # (1, out)
+        # rowwise scaling wants both scales rowwise: (tokens, 1) and (1, out).
+        y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale.float(), scale_b=w_scale.contiguous(),
+                             bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+        return y.reshape(*shape[:-1], out_features)
+    if mode != "tensorwise":
+        raise ValueError(f"fp8 compute mode {mode!r}: expected one of {FP8_COMPUTE_MODES[1:]}")
+    amax = torch.linalg.vector_norm(x2, ord=float("inf"), dtype=torch.float32)   # () one reduction kernel
+    x_scale = (amax / FP8_MAX).clamp_min(_TINY).to(x2.dtype)            # ()
+    x8 = (x2 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)          # (tokens, in)
+    one = x_scale.new_ones((), dtype=torch.float32)
+    if granularity == Granularity.PER_TENSOR:
+        y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale.float(), scale_b=scale.float().reshape(()),
+                             bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    else:
+        # per-row weight scales are per output column of y: one fused multiply-add after the GEMM
+        y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale.float(), scale_b=one, out_dtype=x.dtype)
+        w_scale = scale.reshape(1, -1).to(x.dtype)                      # (1, out)
+        y = torch.addcmul(bias.to(x.dtype), y, w_scale) if bias is not None else y.mul_(w_scale)
+    return y.reshape(*shape[:-1], out_features)

@@ -8,6 +8,7 @@ dequantizes on the input's device in the input's dtype at every call.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -17,6 +18,10 @@ from torch import nn
 from ..types import Precision
 from .registry import (Granularity, LayerReport, QuantConfig, QuantizedWeight, QuantReport, get_quantizer)
 from .metrics import sqnr
+from .fp8 import FP8_COMPUTE_MODES
+
+# fp8 tensor-core mode used when a layer says "auto": see fp8.FP8_COMPUTE_MODES and bench/results.
+DEFAULT_FP8_COMPUTE = "off"
 
 
 class QuantLinear(nn.Module):
@@ -34,10 +39,23 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(qweight.tensors["weight"], requires_grad=False)
         self.weight_scale = nn.Parameter(qweight.tensors["weight_scale"], requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # fp8 tensor-core matmul (torch._scaled_mm, per-token activation quant in eager torch). Off by
-        # default: measured on an H200 (torch 2.11) it ran 0.44-1.23x of bf16 on FLUX-shaped layers at
-        # 4096 tokens, because the unfused activation quantization costs more than the matmul saves.
-        self.use_fp8_compute = False
+        # fp8 tensor-core matmul mode on CUDA sm >= 8.9 (fp8.FP8_COMPUTE_MODES); "auto" follows
+        # DEFAULT_FP8_COMPUTE or the LEVERS_FP8_COMPUTE environment variable.
+        self.fp8_compute = "auto"
+
+    @property
+    def use_fp8_compute(self) -> bool:
+        return self._fp8_mode() != "off"
+
+    @use_fp8_compute.setter
+    def use_fp8_compute(self, on: bool) -> None:
+        self.fp8_compute = "tensorwise" if on else "off"
+
+    def _fp8_mode(self) -> str:
+        mode = self.fp8_compute
+        if mode == "auto":
+            mode = os.environ.get("LEVERS_FP8_COMPUTE", DEFAULT_FP8_COMPUTE).strip().lower()
+        return mode if mode in FP8_COMPUTE_MODES else "off"
 
     @classmethod
     def from_linear(cls, linear: nn.Module, config: QuantConfig) -> "QuantLinear":
@@ -58,7 +76,7 @@ class QuantLinear(nn.Module):
         return qw.dequantize(dtype or self.orig_dtype)
 
     def _fp8_fast_path(self, x: torch.Tensor) -> bool:
-        if not self.use_fp8_compute or self.quant_format != Precision.FP8_E4M3FN or x.device.type != "cuda":
+        if self.quant_format != Precision.FP8_E4M3FN or x.device.type != "cuda" or not self.use_fp8_compute:
             return False
         if self.granularity not in (Granularity.PER_TENSOR, Granularity.PER_ROW) or x.dtype != torch.bfloat16:
             return False
@@ -70,7 +88,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp8_fast_path(x):
             from .fp8 import scaled_mm_linear
-            return scaled_mm_linear(x, self.weight, self.weight_scale, self.granularity, self.bias)
+            return scaled_mm_linear(x, self.weight, self.weight_scale, self.granularity, self.bias, self._fp8_mode())
         w = self.dequantize(x.dtype, x.device)                                # (out, in)
         b = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, b)
