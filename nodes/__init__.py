@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-_NODE_MODULES = ("recommend", "quantize", "phase_offload", "group_prefetch", "tiled_vae")
+_NODE_MODULES = ("recommend", "quantize", "load_quantized", "phase_offload", "group_prefetch", "tiled_vae")
 
 log = logging.getLogger("levers")
 

@@ -1,0 +1,100 @@
+"""Load Quantized DiT in a real ComfyUI: files saved by QuantizeDiT load back bit-identically, small."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def nodes(comfy_env):
+    from comfyui_levers.nodes.load_quantized import LeversLoadQuantizedDiT
+    from comfyui_levers.nodes.quantize import LeversQuantizeDiT
+    return LeversQuantizeDiT, LeversLoadQuantizedDiT
+
+
+@pytest.fixture(scope="module")
+def base(tiny_wan):
+    return tiny_wan.load_model()
+
+
+def _save(quantize, model, comfy_env, name, **kw):
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", name)
+    if os.path.exists(path):
+        os.unlink(path)
+    out = quantize.execute(model, save_path=path, **kw)
+    return out.result[0], path
+
+
+@pytest.mark.parametrize("fmt,granularity", [("int8", "auto"), ("nf4", "auto"), ("fp8_e4m3fn", "per_row"),
+                                             ("fp8_e4m3fn", "per_block")])
+def test_saved_file_loads_bit_identical(nodes, tiny_wan, base, comfy_env, fmt, granularity):
+    quantize, load = nodes
+    name = f"levers_loader_{fmt}_{granularity}.safetensors"
+    qmodel, path = _save(quantize, base, comfy_env, name, format=fmt, granularity=granularity)
+    out = load.execute(name)
+    loaded, report = out.result
+    print("\n" + report)
+    assert "Levers loader" in report and fmt in report
+    assert loaded is not qmodel
+    # exactly the codes and scales QuantizeDiT produced, and every kept tensor as ComfyUI would load it
+    want = qmodel.model.diffusion_model.state_dict()
+    got = loaded.model.diffusion_model.state_dict()
+    assert set(want) == set(got)
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    assert loaded.model_size() == qmodel.model_size()
+    assert loaded.model_size() < 0.7 * base.model_size()
+    ref = tiny_wan.sample(qmodel, seed=1)["samples"]
+    assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], ref)
+
+
+def test_plain_file_uses_comfyui_loader(nodes, tiny_wan, base):
+    _, load = nodes
+    loaded, report = load.execute(tiny_wan.unet_name).result
+    assert "ComfyUI's own loader" in report and "no quantized layers" in report
+    assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], tiny_wan.sample(base, seed=1)["samples"])
+
+
+def test_comfy_fp8_file_uses_comfyui_loader(nodes, tiny_wan, base, comfy_env):
+    from comfyui_levers.bridge.quant import native_fp8_available
+
+    quantize, load = nodes
+    name = "levers_loader_fp8_tensor.safetensors"
+    qmodel, _ = _save(quantize, base, comfy_env, name, format="fp8_e4m3fn", granularity="per_tensor")
+    loaded, report = load.execute(name).result
+    stock = comfy_env.nodes.UNETLoader().load_unet(name, "default")[0] if native_fp8_available()[0] else None
+    if stock is not None:
+        assert "ComfyUI's own loader" in report
+        assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], tiny_wan.sample(stock, seed=1)["samples"])
+    else:
+        assert "Levers loader" in report
+
+
+def test_lora_on_loaded_int8(nodes, tiny_wan, base, comfy_env):
+    import comfy.sd
+    from test_quantize_node import _tiny_lora
+
+    quantize, load = nodes
+    name = "levers_loader_lora_int8.safetensors"
+    qmodel, _ = _save(quantize, base, comfy_env, name, format="int8")
+    loaded = load.execute(name).result[0]
+    lora = _tiny_lora(base)
+    a = tiny_wan.sample(comfy.sd.load_lora_for_models(qmodel, None, lora, 1.0, 0.0)[0], seed=1)["samples"]
+    b = tiny_wan.sample(comfy.sd.load_lora_for_models(loaded, None, lora, 1.0, 0.0)[0], seed=1)["samples"]
+    assert torch.equal(a, b)
+    assert not torch.equal(b, tiny_wan.sample(loaded, seed=1)["samples"])  # the LoRA did something
+
+
+def test_errors_name_the_file(nodes, comfy_env, tmp_path):
+    from comfyui_levers.core.errors import ConfigError
+
+    _, load = nodes
+    bad = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_not_safetensors.safetensors")
+    with open(bad, "wb") as f:
+        f.write(b"PK\x03\x04 this is a zip, not a safetensors" * 4)
+    with pytest.raises(ConfigError, match="levers_not_safetensors"):
+        load.execute("levers_not_safetensors.safetensors")
+    with pytest.raises(ConfigError, match="diffusion_models"):
+        load.execute("no_such_file.safetensors")
