@@ -1709,7 +1709,9 @@ def sec_recommend(suite: Suite, sec: dict, deadline: float) -> None:
     sec.update({"h2d_gbps_used": bw, "rows": rows,
                 "note": "predicted DiT sampling peak = plan.diffusion_model.resident_bytes + plan.activation_bytes "
                         "(the plan's own total adds text encoder, VAE and a 1.5 GiB context/fragmentation "
-                        "overhead, which a DiT-only measurement does not hold); measured = max_memory_allocated"})
+                        "overhead, which a DiT-only measurement does not hold); measured = max_memory_allocated. "
+                        "A budgeted case asks the plan about a card of budget + that overhead, since the "
+                        "emulated budget caps only the allocator"})
     for name, rec in dit.items():
         preset, w, h, frames = PRESET_OF[name]
         params = (rec.get("weights_bytes") or 0) // 2
@@ -1719,7 +1721,11 @@ def sec_recommend(suite: Suite, sec: dict, deadline: float) -> None:
             if c.get("status") != "ok" or c["engine"] not in ("resident", "levers_prefetch"):
                 continue
             budget = c.get("budget_bytes")
-            vram_gib = (budget / GIB) if budget else (suite.results["machine"].get("gpu_memory_gib") or 80)
+            # The emulated budget caps the caching allocator; the plan's card also loses its CUDA
+            # context and fragmentation reserve (plan.OVERHEAD_BYTES), which sit outside that cap.
+            # So ask the plan about the card whose memory after that reserve equals the cap.
+            overhead_gib = getattr(plan_mod, "OVERHEAD_BYTES", 0) / GIB
+            vram_gib = (budget / GIB + overhead_gib) if budget else (suite.results["machine"].get("gpu_memory_gib") or 80)
             t0 = time.perf_counter()
             try:
                 machine = probe.synthetic_machine(vram_gb=vram_gib, h2d_gbps=bw)
@@ -1732,6 +1738,7 @@ def sec_recommend(suite: Suite, sec: dict, deadline: float) -> None:
             predicted = int(d.resident_bytes + p.activation_bytes)
             measured = c.get("peak_allocated_bytes")
             row = {"model": name, "engine": c["engine"], "budget": c["budget"], "plan_latency_s": rnd(latency, 4),
+                   "plan_vram_gib": rnd(vram_gib, 3),
                    "plan_precision": str(d.precision), "plan_residency": str(d.residency), "plan_fits": p.fits,
                    "predicted_dit_peak_bytes": predicted, "predicted_total_peak_bytes": p.predicted_peak_bytes,
                    "measured_peak_bytes": measured,

@@ -15,11 +15,12 @@ needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_d
 @cuda
 @needs_fp8
 @pytest.mark.parametrize("gran", ["per_tensor", "per_row"])
-def test_scaled_mm_matches_dequantized_matmul(gran):
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_scaled_mm_matches_dequantized_matmul(gran, mode):
     torch.manual_seed(0)
     lin = nn.Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)
     layer = QuantLinear.from_linear(lin, QuantConfig("fp8", gran))
-    layer.use_fp8_compute = True
+    layer.fp8_compute = mode
     x = torch.randn(2, 256, 3072, device="cuda", dtype=torch.bfloat16)
     assert layer._fp8_fast_path(x)
     fast = layer(x)
