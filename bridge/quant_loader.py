@@ -193,7 +193,7 @@ def inspect_file(path: str) -> QuantFileInfo:
                 gran = Granularity.parse(tag.get("granularity"), f"{layer}.levers_quant granularity")
                 if not fmt.is_quantized:
                     raise ConfigError(f"{layer}.levers_quant format", str(fmt), "fp8_e4m3fn, int8 or nf4")
-            except ConfigError as exc:
+            except ValueError as exc:  # Enum.parse raises ValueError, ConfigError is one too
                 raise ConfigError("unet_name", os.path.basename(path), "a file with known quant formats",
                                   f"{path}: {exc} The file was written by a newer or different tool; update "
                                   f"ComfyUI-Levers or re-quantize the original with `levers quantize`.") from None
