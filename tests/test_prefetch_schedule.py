@@ -446,3 +446,27 @@ def test_cuda_bit_identical_and_no_d2h():
     finally:
         h.remove()
     assert all(p.device.type == "cpu" for p in m.parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_split_blocks_bit_identical_and_no_d2h():
+    from comfyui_levers.core.residency.transport import CudaTransport
+    m = make_flux(fp8_single=False)
+    x = flux_inputs()
+    ref_model = make_flux(fp8_single=False).cuda()
+    with torch.no_grad():
+        ref = ref_model(*(t.cuda() for t in x))
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, _tight(m, _rec())), tr)
+    try:
+        assert h.plan.split
+        with torch.no_grad():
+            for _ in range(4):          # calibration forward and the re-plan included
+                out = m(*(t.cuda() for t in x))
+                assert torch.equal(out, ref)
+        assert h.last.d2h_bytes == 0
+        assert h.last.h2d_bytes == _streamed_bytes(h)
+    finally:
+        h.remove()
+    assert all(p.device.type == "cpu" for p in m.parameters())
