@@ -93,6 +93,15 @@ class QuantFileInfo:
     def disk_bytes(self) -> int:
         return sum(e.nbytes for e in self.tensors.values())
 
+    def unquantized_bytes(self) -> int:
+        """The same model with the quantized weights back in their original dtype (kept tensors as stored)."""
+        owned = self.owned_keys()
+        total = sum(e.nbytes for k, e in self.tensors.items() if k not in owned)
+        for v in self.layers.values():
+            dtype = getattr(torch, v.get("orig_dtype", "bfloat16"), torch.bfloat16)
+            total += dtype.itemsize * math.prod(v["shape"])
+        return total
+
     def bf16_bytes(self) -> int:
         """The same model with every floating tensor (and every quantized weight) in bf16."""
         owned = self.owned_keys()
@@ -199,7 +208,7 @@ def inspect_file(path: str) -> QuantFileInfo:
                                   f"ComfyUI-Levers or re-quantize the original with `levers quantize`.") from None
             info.layers[layer] = {"format": str(fmt), "granularity": str(gran),
                                   "block_size": int(tag.get("block_size", 64)), "shape": list(tag["shape"]),
-                                  "layout": "levers"}
+                                  "layout": "levers", "orig_dtype": str(tag.get("orig_dtype", "bfloat16"))}
     return info
 
 
@@ -374,15 +383,15 @@ def _load_levers(info: QuantFileInfo, dtype: torch.dtype | None):
 
 
 def format_report(info: QuantFileInfo, patcher, how: str, notes: list[str]) -> str:
-    disk, bf16 = info.disk_bytes, info.bf16_bytes()
+    disk, bf16, unq = info.disk_bytes, info.bf16_bytes(), info.unquantized_bytes()
     kept = len(info.tensors) - len(info.owned_keys())
     lines = [f"Load Quantized DiT: {os.path.basename(info.path)}",
              f"  loader:    {how}"]
     if info.layers:
         lines.append(f"  format:    {'; '.join(info.formats)}")
     lines += [f"  layers:    {len(info.layers)} quantized, {kept} tensors kept as stored",
-              f"  on disk:   {disk / MiB:.1f} MiB vs bf16 {bf16 / MiB:.1f} MiB "
-              f"({(disk / bf16 if bf16 else 1.0):.0%})"]
+              f"  on disk:   {disk / MiB:.1f} MiB; unquantized {unq / MiB:.1f} MiB ({(disk / unq if unq else 1.0):.0%}); "
+              f"all-bf16 {bf16 / MiB:.1f} MiB ({(disk / bf16 if bf16 else 1.0):.0%})"]
     size = getattr(patcher, "size", 0) or patcher.model_size()
     lines.append(f"  in memory: {size / MiB:.1f} MiB (size reported to ComfyUI's memory manager)")
     lines.extend(f"  note: {n}" for n in notes)

@@ -118,6 +118,7 @@ def test_report_sizes(tmp_path):
     plain_info, info = ql.inspect_file(src), ql.inspect_file(dst)
     assert plain_info.kind == "plain" and plain_info.bf16_bytes() == plain_info.disk_bytes  # source is bf16
     assert info.bf16_bytes() == plain_info.disk_bytes
+    assert info.unquantized_bytes() == plain_info.disk_bytes  # bf16 source: the same number
     assert info.disk_bytes < 0.5 * info.bf16_bytes()
     assert info.formats == ["nf4 per_block (block 64): 18 layers"]
 
