@@ -24,9 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
+import re
+import sys
 import time
 import weakref
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,7 +205,7 @@ def _phase_class(base: type) -> type:
         comp = _component(self)
         if comp is None:
             return super(cls, self).partially_load(*args, **kwargs)
-        comp.group.start_phase(comp)
+        comp.group.start_phase(comp, self)
         with comp.moves(self, "load"):
             return super(cls, self).partially_load(*args, **kwargs)
 
@@ -250,18 +255,296 @@ def remove_phase_offload(patcher) -> None:
         comp.table.release()
 
 
+# --- the per-run ledger ------------------------------------------------------------------------------
+#
+# Phases run after the node has executed (inside KSampler, VAEDecode, ...), so the node's STRING
+# report cannot hold their numbers. Each group keeps a ledger per run (one ComfyUI prompt) and
+# publishes it whenever a phase closes: on the node (ComfyUI's progress-text channel), as JSON in
+# <output>/levers/, in the log, and in ``latest_ledger()``.
+
+PHASES = {"text_encoder": "encode", "diffusion_model": "sample", "vae": "decode"}
+LEDGER_SCHEMA = "levers.phase_ledger/1"
+
+
+@dataclass
+class PhaseEntry:
+    """One phase of a run: ``component`` held ``device``, and every byte moved while it did.
+
+    Bytes are counted in the phase during which they moved, so the other components' release at
+    the start of a phase (d2h 0 when it is a pointer swap) is part of that phase.
+    """
+
+    index: int
+    component: str
+    phase: str
+    device: str
+    source: str                          # host masters: "pinned" | "pageable" | "n/a" (Levers copies nothing)
+    source_reason: str
+    moved_by: str                        # who moves this component's weights, in words
+    moves: bool = True                   # load device differs from the offload device
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    swapped_bytes: int = 0               # rebound to host masters, 0 bytes copied
+    transfer_seconds: float = 0.0        # inside ComfyUI loads that copied (ends with a stream sync)
+    seconds: float = 0.0                 # wall time the phase was open
+    peak_bytes: int | None = None        # torch.cuda.max_memory_allocated since the phase began; None off CUDA
+    released: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)   # ComfyUI node ids that loaded it in this phase
+    loads: int = 0                       # ComfyUI load requests for the component in this phase
+    comfyui_loaded_before: int | None = None         # ComfyUI's loaded_size() when the phase opened
+    comfyui_loaded_after: int | None = None          # ... and when it closed
+    open: bool = True
+    t0: float = 0.0
+
+    @property
+    def gbps(self) -> float | None:
+        if not self.h2d_bytes or self.transfer_seconds <= 0:
+            return None
+        return round(self.h2d_bytes / self.transfer_seconds / 1e9, 3)
+
+    @property
+    def comfyui_moved_bytes(self) -> int | None:
+        """Growth of ComfyUI's loaded_size() that Levers' transport did not copy (ComfyUI moved it)."""
+        if not self.moves:
+            return 0
+        if self.comfyui_loaded_before is None or self.comfyui_loaded_after is None:
+            return None
+        return max(0, self.comfyui_loaded_after - self.comfyui_loaded_before - self.h2d_bytes)
+
+    def peak_note(self) -> str:
+        if self.peak_bytes is not None:
+            return f"torch.cuda.max_memory_allocated({self.device}) since the phase began (all allocations on it)"
+        if torch.device(self.device).type == "cuda":
+            return "not measured (phase still open)" if self.open else "not measured (CUDA unavailable)"
+        return f"n/a on {torch.device(self.device).type.upper()} (only CUDA's allocator keeps a peak)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "phase": self.phase, "component": self.component, "device": self.device,
+                "h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "swapped_bytes": self.swapped_bytes,
+                "seconds": round(self.seconds, 6), "transfer_seconds": round(self.transfer_seconds, 6),
+                "gbps": self.gbps, "peak_bytes": self.peak_bytes, "peak_note": self.peak_note(),
+                "source": self.source, "source_reason": self.source_reason, "moved_by": self.moved_by,
+                "comfyui_loaded_bytes": {"before": self.comfyui_loaded_before, "after": self.comfyui_loaded_after},
+                "comfyui_moved_bytes": self.comfyui_moved_bytes, "released": list(self.released),
+                "nodes": list(self.nodes), "loads": self.loads, "open": self.open}
+
+
+@dataclass
+class RunLedger:
+    """The phases of one run (one ComfyUI prompt, or one headless run until ``new_run``)."""
+
+    run_id: str
+    prompt_id: str | None
+    node_id: str | None
+    started_at: str
+    phases: list[PhaseEntry] = field(default_factory=list)
+    outside: dict[str, int] = field(default_factory=lambda: {"h2d_bytes": 0, "d2h_bytes": 0, "swapped_bytes": 0})
+
+    def totals(self) -> dict[str, Any]:
+        h2d = sum(p.h2d_bytes for p in self.phases) + self.outside["h2d_bytes"]
+        secs = sum(p.transfer_seconds for p in self.phases)
+        peaks = [p.peak_bytes for p in self.phases if p.peak_bytes is not None]
+        return {"phases": len(self.phases), "h2d_bytes": h2d,
+                "d2h_bytes": sum(p.d2h_bytes for p in self.phases) + self.outside["d2h_bytes"],
+                "swapped_bytes": sum(p.swapped_bytes for p in self.phases) + self.outside["swapped_bytes"],
+                "seconds": round(sum(p.seconds for p in self.phases), 6), "transfer_seconds": round(secs, 6),
+                "gbps": round(h2d / secs / 1e9, 3) if h2d and secs > 0 else None,
+                "peak_bytes": max(peaks) if peaks else None}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"schema": LEDGER_SCHEMA, "run_id": self.run_id, "prompt_id": self.prompt_id,
+                "node_id": self.node_id, "started_at": self.started_at,
+                "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "phases": [p.as_dict() for p in self.phases], "outside_phases": dict(self.outside),
+                "totals": self.totals()}
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", _GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_ledger(ledger: dict[str, Any]) -> str:
+    """Plain text of a run ledger (the dict ``RunLedger.as_dict`` / the JSON file holds)."""
+    run = ledger.get("prompt_id") and f"prompt {ledger['prompt_id']}" or f"run {ledger.get('run_id')}"
+    phases = ledger.get("phases", [])
+    lines = [f"Levers PhaseOffload ledger, {run}: {len(phases)} phase(s)"]
+    for p in phases:
+        rate = f" ({p['gbps']} GB/s)" if p.get("gbps") else ""
+        peak = _size(p["peak_bytes"]) if p.get("peak_bytes") is not None else p.get("peak_note", "n/a")
+        state = ", still open" if p.get("open") else ""
+        lines.append(f"{p['index']}. {p['phase']}: {p['component']} on {p['device']}, {p['seconds']:.3f} s{state}")
+        lines.append(f"   H2D {_size(p['h2d_bytes'])} in {p['transfer_seconds']:.3f} s{rate} from {p['source']} "
+                     f"masters; D2H {_size(p['d2h_bytes'])}; pointer-swapped {_size(p['swapped_bytes'])}")
+        lines.append(f"   peak: {peak}")
+        if p.get("released"):
+            lines.append(f"   released first through ComfyUI: {', '.join(p['released'])}")
+        moved = p.get("comfyui_moved_bytes")
+        lines.append(f"   moved by: {p['moved_by']}" + (f"; ComfyUI itself loaded {_size(moved)}" if moved else ""))
+    out = ledger.get("outside_phases") or {}
+    if any(out.values()):
+        lines.append(f"outside any phase: H2D {_size(out['h2d_bytes'])}, D2H {_size(out['d2h_bytes'])}, "
+                     f"pointer-swapped {_size(out['swapped_bytes'])}")
+    t = ledger.get("totals") or {}
+    if t:
+        rate = f" ({t['gbps']} GB/s)" if t.get("gbps") else ""
+        lines.append(f"totals: H2D {_size(t['h2d_bytes'])}{rate}, D2H {_size(t['d2h_bytes'])}, pointer-swapped "
+                     f"{_size(t['swapped_bytes'])}, peak {_size(t['peak_bytes'])}, {t['seconds']:.3f} s in phases")
+    if ledger.get("file"):
+        lines.append(f"JSON: {ledger['file']}")
+    return "\n".join(lines)
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("._") or "run"
+
+
+def ledger_dir() -> str | None:
+    """``<ComfyUI output directory>/levers``, or None outside ComfyUI."""
+    try:
+        import folder_paths
+    except ImportError:
+        return None
+    return os.path.join(folder_paths.get_output_directory(), "levers")
+
+
+def write_ledger_json(ledger: dict[str, Any], path: str) -> bool:
+    """Write ``ledger`` to ``path`` atomically. Fail-soft: a warning, never an error."""
+    tmp = f"{path}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(ledger, f, indent=2)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError) as exc:
+        log.warning("Levers PhaseOffload: could not write the phase ledger to %s (%s); it is still in the log "
+                    "and in comfyui_levers.bridge.phase.latest_ledger()", path, exc)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return False
+    return True
+
+
+def _prompt_server():
+    """ComfyUI's running PromptServer, or None (headless). Never imports the server module itself."""
+    server = sys.modules.get("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
+def progress_text_channel() -> tuple[bool, str]:
+    """(ok, reason): can text be shown on a node in the ComfyUI frontend from here?"""
+    instance = _prompt_server()
+    if instance is None:
+        return False, "no ComfyUI server in this process (headless)"
+    if not callable(getattr(instance, "send_progress_text", None)):
+        return False, "this ComfyUI has no progress-text channel (PromptServer.send_progress_text)"
+    return True, "ComfyUI progress text"
+
+
+def send_to_node(text: str, node_id: str | None) -> bool:
+    """Show ``text`` on node ``node_id`` in the frontend; False (and a debug line) when it cannot."""
+    ok, why = progress_text_channel()
+    if node_id is None or not ok:
+        log.debug("Levers PhaseOffload: ledger not sent to the node (%s)", why if not ok else "no node id")
+        return False
+    try:
+        _prompt_server().send_progress_text(text, str(node_id))
+    except (RuntimeError, OSError, ValueError) as exc:   # e.g. the server's event loop is closed
+        log.debug("Levers PhaseOffload: ledger not sent to node %s (%s)", node_id, exc)
+        return False
+    return True
+
+
+def _executing() -> tuple[str | None, str | None]:
+    """(prompt_id, node_id) of the ComfyUI node executing now, or (None, None) outside a prompt."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        get_executing_context = None
+    ctx = get_executing_context() if get_executing_context is not None else None
+    if ctx is not None:
+        return (str(ctx.prompt_id) if ctx.prompt_id else None), (str(ctx.node_id) if ctx.node_id else None)
+    prompt_id = getattr(_prompt_server(), "last_prompt_id", None)   # ComfyUI without execution contexts
+    return (str(prompt_id) if isinstance(prompt_id, str) else None), None
+
+
+_HANDLER_CLASS: type | None = None
+
+
+def _watch_node_finish(group: "PhaseGroup", prompt_id: str) -> None:
+    """Close the open phase when the node that loaded it finishes: a handler on this prompt's
+    progress registry (ComfyUI's own seam; the registry, and the handler, go with the prompt)."""
+    global _HANDLER_CLASS
+    try:
+        from comfy_execution.progress import ProgressHandler, get_progress_state
+    except ImportError:
+        return                   # no registry: the phase closes when the next one opens
+    registry = get_progress_state()
+    handlers = getattr(registry, "handlers", None)
+    if getattr(registry, "prompt_id", None) != prompt_id or not isinstance(handlers, dict):
+        return
+    name = f"levers_phase_ledger_{group.serial}"
+    if name in handlers:
+        return
+    if _HANDLER_CLASS is None:
+        class PhaseLedgerHandler(ProgressHandler):
+            def __init__(self, name: str, group_ref) -> None:
+                super().__init__(name)
+                self.group_ref = group_ref
+
+            def finish_handler(self, node_id, state, prompt_id):
+                group = self.group_ref()
+                if group is not None:
+                    group.node_finished(str(node_id))
+
+        _HANDLER_CLASS = PhaseLedgerHandler
+    registry.register_handler(_HANDLER_CLASS(name, weakref.ref(group)))
+
+
+def _loaded_size(patcher) -> int | None:
+    fn = getattr(patcher, "loaded_size", None)
+    return int(fn()) if callable(fn) else None
+
+
+_LATEST: dict[str, Any] | None = None
+
+
+def latest_ledger(close: bool = True) -> dict[str, Any] | None:
+    """The most recent run ledger any PhaseOffload group published (a JSON-ready copy), or None.
+
+    ``close`` first ends the phase still open in every live group (headless runs have no node
+    that finishes), so its seconds and peak are final; a later load of the same component
+    continues that phase."""
+    if close:
+        for g in sorted(_LIVE, key=lambda g: g.last_active):   # the most recently active publishes last
+            g.close_phase()
+    return copy.deepcopy(_LATEST)
+
+
 # --- the group -----------------------------------------------------------------------------------------
+
+_SERIAL = iter(range(1, 1 << 62))
+
 
 class PhaseGroup:
     """The components one PhaseOffload node manages together; one ledger, one pin budget."""
 
-    def __init__(self, settings: PhaseSettings) -> None:
+    def __init__(self, settings: PhaseSettings, node_id: str | None = None) -> None:
         self.settings = settings
+        self.node_id = node_id
+        self.serial = next(_SERIAL)
+        self.last_active = 0                  # _SERIAL value of this group's latest phase start
         self.components: dict[str, Component] = {}
         self.records: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        self.run: RunLedger | None = None
         self._stores: dict[str, PinnedStore] = {}
-        self._open: tuple[str, torch.device] | None = None
+        self._open: PhaseEntry | None = None
+        self._open_patcher = None
         self._finalizers: list[weakref.finalize] = []
 
     def store_for(self, transport) -> PinnedStore:
@@ -282,10 +565,62 @@ class PhaseGroup:
         install(patcher, comp)
         return comp
 
-    def start_phase(self, comp: Component) -> None:
-        """Before ``comp`` loads: release the other components' GPU copies through ComfyUI."""
+    # --- runs and phases ---------------------------------------------------------------------------
+
+    def _begin_run(self, prompt_id: str | None) -> RunLedger:
+        """The current run; a new one when the ComfyUI prompt changed (or headless after a prompt)."""
+        if self.run is not None and self.run.prompt_id == prompt_id:
+            return self.run
+        self.close_phase()
+        now = datetime.now()
+        base = prompt_id or now.strftime("%Y%m%d-%H%M%S-%f")
+        run_id = _safe_name(f"{base}-node{self.node_id}" if self.node_id is not None else base)
+        self.run = RunLedger(run_id=run_id, prompt_id=prompt_id, node_id=self.node_id,
+                             started_at=now.astimezone().isoformat(timespec="seconds"))
+        return self.run
+
+    def new_run(self) -> None:
+        """End the current run (closing its open phase); the next phase starts a fresh ledger."""
+        self.close_phase()
+        self.run = None
+
+    def _open_phase(self, comp: Component, patcher) -> PhaseEntry:
+        run = self.run
+        last = run.phases[-1] if run.phases else None
+        if last is not None and last.component == comp.name:
+            entry = last                 # the same component again, nothing in between: one phase
+            entry.open = True
+        else:
+            device = torch.device(patcher.load_device) if patcher is not None else comp.load_device
+            entry = PhaseEntry(index=len(run.phases) + 1, component=comp.name,
+                               phase=PHASES.get(comp.name, comp.name), device=str(device),
+                               **_who_moves(comp, patcher))
+            entry.comfyui_loaded_before = _loaded_size(patcher)
+            run.phases.append(entry)
+        dev = torch.device(entry.device)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats(dev)    # the peak read at close is this phase's own
+        entry.t0 = time.perf_counter()
+        self._open = entry
+        self._open_patcher = weakref.ref(patcher) if patcher is not None else None
+        return entry
+
+    def start_phase(self, comp: Component, patcher=None) -> None:
+        """Before ``comp`` loads: open (or continue) its phase, then release the other components'
+        GPU copies through ComfyUI."""
         mm = _mm()
-        self._close_phase()
+        prompt_id, node_id = _executing()
+        self.last_active = next(_SERIAL)
+        self._begin_run(prompt_id)
+        entry = self._open
+        if entry is None or entry.component != comp.name:
+            self.close_phase()
+            entry = self._open_phase(comp, patcher)
+        entry.loads += 1
+        if node_id is not None and node_id not in entry.nodes:
+            entry.nodes.append(node_id)
+        if prompt_id is not None:
+            _watch_node_finish(self, prompt_id)
         others = [c.module for c in self.components.values() if c is not comp]
         loaded = list(mm.current_loaded_models)
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
@@ -293,23 +628,59 @@ class PhaseGroup:
                  and any(lm.model.model is m for m in others)]
         if evict:
             keep = [lm for lm in loaded if all(lm is not e for e in evict)]
-            for device in {lm.device for lm in evict}:
-                mm.free_memory(1e30, device, keep_loaded=keep)
             names = sorted({c.name for c in self.components.values() if c is not comp
                             and any(lm.model.model is c.module for lm in evict if lm.model is not None)})
+            for device in {lm.device for lm in evict}:
+                mm.free_memory(1e30, device, keep_loaded=keep)
             self.record(comp.name, "exclusive", released=names)
-        dev = comp.load_device
-        if dev.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats(dev)
-        self._open = (comp.name, dev)
+            entry.released.extend(n for n in names if n not in entry.released)
 
-    def _close_phase(self) -> None:
-        if self._open is None:
+    def node_finished(self, node_id: str) -> None:
+        """A ComfyUI node finished: if it is one that loaded the open phase's component, close it."""
+        if self._open is not None and node_id in self._open.nodes:
+            self.close_phase()
+
+    def close_phase(self) -> None:
+        """End the open phase (its seconds, peak, ComfyUI's view) and publish the run."""
+        entry = self._open
+        if entry is None:
             return
-        name, dev = self._open
         self._open = None
+        entry.open = False
+        entry.seconds += time.perf_counter() - entry.t0
+        dev = torch.device(entry.device)
         if dev.type == "cuda" and torch.cuda.is_available():
-            self.record(name, "phase_peak", peak_bytes=int(torch.cuda.max_memory_allocated(dev)))
+            peak = int(torch.cuda.max_memory_allocated(dev))
+            entry.peak_bytes = peak if entry.peak_bytes is None else max(entry.peak_bytes, peak)
+        patcher = self._open_patcher() if self._open_patcher is not None else None
+        if patcher is not None:
+            entry.comfyui_loaded_after = _loaded_size(patcher)
+        self.publish()
+
+    _close_phase = close_phase
+
+    def publish(self) -> dict[str, Any] | None:
+        """The run as JSON in <output>/levers/, as text on the node and in the log; kept for ``latest_ledger``."""
+        global _LATEST
+        if self.run is None:
+            return None
+        data = self.run.as_dict()
+        data["settings"] = {"pin": str(self.settings.pin), "text_encoder_precision":
+                            self.settings.text_encoder_precision, "model_device": self.settings.model_device,
+                            "text_encoder_device": self.settings.text_encoder_device,
+                            "vae_device": self.settings.vae_device}
+        folder = ledger_dir()
+        data["file"] = None
+        if folder is not None:
+            path = os.path.join(folder, f"phase_ledger-{self.run.run_id}.json")
+            data["file"] = path
+            if not write_ledger_json(data, path):
+                data["file"] = None
+        text = format_ledger(data)
+        log.info("%s", text)
+        send_to_node(text, self.node_id)
+        _LATEST = data
+        return data
 
     def record(self, component: str, kind: str, **fields) -> None:
         rec: dict[str, Any] = {"component": component, "kind": kind}
@@ -318,22 +689,32 @@ class PhaseGroup:
             secs = rec.pop("transfer_seconds", 0.0)
             rec["gbps"] = round(rec["h2d"] / secs / 1e9, 3) if rec["h2d"] and secs > 0 else None
             rec["seconds"] = round(rec.get("seconds", 0.0), 6)
+            entry = self._open
+            if entry is not None:
+                entry.h2d_bytes += rec["h2d"]
+                entry.d2h_bytes += rec["d2h"]
+                entry.swapped_bytes += rec["swapped"]
+                entry.transfer_seconds += secs if rec["h2d"] else 0.0
+            else:            # e.g. ComfyUI unloading a component for an unmanaged model
+                run = self._begin_run(_executing()[0])
+                run.outside["h2d_bytes"] += rec["h2d"]
+                run.outside["d2h_bytes"] += rec["d2h"]
+                run.outside["swapped_bytes"] += rec["swapped"]
         self.records.append(rec)
         if "h2d" in rec:
             log.info("Levers PhaseOffload %s %s: H2D %.3f GiB, D2H %.3f GiB, pointer-swapped %.3f GiB in %.3f s",
                      component, kind, rec["h2d"] / _GIB, rec["d2h"] / _GIB, rec["swapped"] / _GIB, rec["seconds"])
 
     def ledger(self) -> dict[str, Any]:
-        """JSON-ready: per-component settings and pin outcomes, every record, totals."""
-        self._close_phase()
+        """JSON-ready: per-component settings and pin outcomes, every record, totals, the current run."""
+        self.close_phase()
         comps = {}
         for name, c in self.components.items():
             table = c.table
             comps[name] = {
                 "dynamic": c.dynamic, "load_device": str(c.load_device), "offload_device": str(c.offload_device),
                 "masters": len(table.masters) if table else 0,
-                "master_bytes": sum(m.host.nbytes for m in {id(m.host.untyped_storage()): m
-                                                           for m in table.masters.values()}.values()) if table else 0,
+                "master_bytes": _master_bytes(table),
                 "pin": table.pin_outcome.as_dict() if table and table.pin_outcome else None,
                 "notes": list(c.notes)}
         moves = [r for r in self.records if "h2d" in r]
@@ -341,7 +722,36 @@ class PhaseGroup:
                 "totals": {"h2d_bytes": sum(r["h2d"] for r in moves), "d2h_bytes": sum(r["d2h"] for r in moves),
                            "swapped_bytes": sum(r["swapped"] for r in moves),
                            "exclusive_releases": sum(1 for r in self.records if r["kind"] == "exclusive")},
+                "run": self.run.as_dict() if self.run is not None else None,
                 "notes": list(self.notes)}
+
+
+def _master_bytes(table: MasterTable | None) -> int:
+    if table is None:
+        return 0
+    unique = {(m.host.data_ptr(), m.host.nbytes) for m in table.masters.values()}   # tied twins once
+    return sum(nbytes for _, nbytes in unique)
+
+
+def _who_moves(comp: Component, patcher) -> dict[str, Any]:
+    """Ledger fields saying where this component's bytes come from and who copies them."""
+    if patcher is None:
+        return {"source": "n/a", "source_reason": "unknown patcher", "moved_by": "unknown", "moves": True}
+    moves = torch.device(patcher.load_device) != torch.device(patcher.offload_device)
+    ok, why = comp.swaps(patcher)
+    if ok:
+        pin = comp.table.pin_outcome if comp.table is not None else None
+        source = "pinned" if pin is not None and pin.pinned else "pageable"
+        reason = pin.reason if pin is not None else "masters not pinned"
+        moved_by = "Levers transport (copy in, pointer swap out; ComfyUI decides what moves)"
+    elif comp.dynamic:
+        source, reason = "n/a", "ComfyUI DynamicVRAM streams from its own pinned buffers"
+        moved_by = "ComfyUI DynamicVRAM (Levers does not swap it)"
+    elif not moves:
+        source, reason, moved_by = "n/a", why, f"nothing: {why}"
+    else:
+        source, reason, moved_by = "n/a", why, f"ComfyUI ({why})"
+    return {"source": source, "source_reason": reason, "moved_by": moved_by, "moves": moves}
 
 
 _LIVE: "weakref.WeakSet[PhaseGroup]" = weakref.WeakSet()
@@ -404,11 +814,13 @@ def wrap_vae(vae):
     return new
 
 
-def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None):
-    """Build the phase-managed MODEL / CLIP / VAE outputs and the group that ties them together."""
+def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, node_id: str | None = None):
+    """Build the phase-managed MODEL / CLIP / VAE outputs and the group that ties them together.
+
+    ``node_id``: the PhaseOffload node's ComfyUI id; the per-phase ledger is shown on that node."""
     settings = settings or PhaseSettings()
     require_model(model)
-    group = PhaseGroup(settings)
+    group = PhaseGroup(settings, node_id=None if node_id is None else str(node_id))
     _LIVE.add(group)
     mm = _mm()
 
@@ -469,6 +881,20 @@ def what_comfyui_does(group: PhaseGroup, mm) -> list[str]:
     return notes
 
 
+def ledger_destinations(group: PhaseGroup) -> list[str]:
+    """Where this group's per-phase ledger will appear, as plain lines for the report."""
+    ok, why = progress_text_channel()
+    if ok and group.node_id is not None:
+        node = "on this node (below this report), updated as each phase ends"
+    else:
+        node = f"not on the node: {why if not ok else 'no node id (the node was called outside ComfyUI)'}"
+    folder = ledger_dir()
+    where = (f"JSON: {os.path.join(folder, 'phase_ledger-<prompt id>' + (f'-node{group.node_id}' if group.node_id else '') + '.json')}"
+             if folder is not None else "JSON: not written (no ComfyUI output folder in this process)")
+    return [node, where, "log: INFO 'Levers PhaseOffload ledger' lines; Python: "
+            "comfyui_levers.bridge.phase.latest_ledger()"]
+
+
 def report_text(group: PhaseGroup) -> str:
     """The STRING output: settings, pin outcomes, per-phase ledger, and what ComfyUI already does."""
     led = group.ledger()
@@ -481,25 +907,16 @@ def report_text(group: PhaseGroup) -> str:
         lines.append(f"- {name}: {c['load_device']} <-> {c['offload_device']}, {swap}; masters "
                      f"{c['master_bytes'] / _GIB:.3f} GiB; {pin_txt}")
         lines.extend(f"    {n}" for n in c["notes"])
-    lines.append("ledger (per phase):")
-    if not led["records"]:
-        lines.append("  (nothing ran yet: the ledger fills as the workflow runs; see the JSON report)")
-    for r in led["records"]:
-        if r["kind"] == "exclusive":
-            lines.append(f"  {r['component']}: released {', '.join(r['released'])} through ComfyUI before its phase")
-        elif r["kind"] == "phase_peak":
-            lines.append(f"  {r['component']}: peak VRAM {r['peak_bytes'] / _GIB:.3f} GiB")
-        else:
-            gb = f", {r['gbps']} GB/s" if r.get("gbps") else ""
-            lines.append(f"  {r['component']} {r['kind']}: H2D {r['h2d'] / _GIB:.3f} GiB{gb}, "
-                         f"D2H {r['d2h'] / _GIB:.3f} GiB, swapped {r['swapped'] / _GIB:.3f} GiB, {r['seconds']:.3f} s")
-    t = led["totals"]
-    lines.append(f"totals: H2D {t['h2d_bytes'] / _GIB:.3f} GiB, D2H {t['d2h_bytes'] / _GIB:.3f} GiB, "
-                 f"pointer-swapped {t['swapped_bytes'] / _GIB:.3f} GiB, exclusive releases {t['exclusive_releases']}")
+    lines.append("per-phase ledger (the phases run after this node, so it is published as each one ends):")
+    lines.extend(f"  - {w}" for w in ledger_destinations(group))
+    if led["run"] is not None and led["run"]["phases"]:
+        lines.extend("  " + line for line in format_ledger(led["run"]).splitlines())
     lines.append("what ComfyUI already does:")
     lines.extend(f"  - {n}" for n in led["notes"])
     return "\n".join(lines)
 
 
-__all__ = ["ATTACHMENT", "Component", "PhaseGroup", "PhaseSettings", "apply", "is_dynamic", "live_ledgers",
-           "parse_device", "remove_phase_offload", "report_text", "retype_text_encoder", "wrap_vae"]
+__all__ = ["ATTACHMENT", "Component", "PhaseEntry", "PhaseGroup", "PhaseSettings", "RunLedger", "apply",
+           "format_ledger", "is_dynamic", "latest_ledger", "ledger_destinations", "ledger_dir", "live_ledgers",
+           "parse_device", "progress_text_channel", "remove_phase_offload", "report_text", "retype_text_encoder",
+           "send_to_node", "wrap_vae", "write_ledger_json"]

@@ -1,4 +1,7 @@
-"""LeversPhaseOffload: each component holds the GPU only during its own phase; offload is a pointer swap."""
+"""LeversPhaseOffload: each component holds the GPU only during its own phase; offload is a pointer swap.
+
+The phases run after this node, so its report says where their ledger appears: on the node as each
+phase ends, and as JSON in <output>/levers/ (bridge/phase.py publishes both)."""
 from __future__ import annotations
 
 from comfy_api.latest import io, ui
@@ -66,13 +69,15 @@ class LeversPhaseOffload(io.ComfyNode):
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
                      io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report")],
+            hidden=[io.Hidden.unique_id],   # the per-phase ledger is shown on this node after its phases
         )
 
     @classmethod
     def execute(cls, model, clip=None, vae=None, plan=None, model_device="auto", text_encoder_device="auto",
                 vae_device="auto", pin="auto", text_encoder_precision="auto") -> io.NodeOutput:
         settings = settings_from(plan, model_device, text_encoder_device, vae_device, pin, text_encoder_precision)
-        m, c, v, group = apply(model, clip, vae, settings)
+        hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
+        m, c, v, group = apply(model, clip, vae, settings, node_id=getattr(hidden, "unique_id", None))
         report = report_text(group)
         return io.NodeOutput(m, c, v, report, ui=ui.PreviewText(report))
 

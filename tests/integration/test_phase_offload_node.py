@@ -7,6 +7,11 @@ calls between two devices, and the pointer swap is exercised inside ComfyUI's ow
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -199,3 +204,139 @@ def test_invalid_settings_name_the_field(comfy_env, tiny_wan):
         _run_node(comfy_env, tiny_wan.load_model(), model_device="cuda:7")
     with pytest.raises(ConfigError, match="text_encoder_precision"):
         _run_node(comfy_env, tiny_wan.load_model(), text_encoder_precision="int3")
+
+
+# --- the per-phase ledger: on the node, as JSON, from Python ----------------------------------------
+
+class _ProgressText:
+    """Stands in for ComfyUI's running PromptServer: records send_progress_text(text, node_id)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def send_progress_text(self, text, node_id, sid=None):
+        self.calls.append((text, node_id))
+
+
+@pytest.fixture
+def ledger_out(comfy_env, tmp_path, monkeypatch):
+    """ComfyUI's output folder in tmp_path and a capturing server; yields (levers folder, captured calls).
+
+    The server is a stand-in module: ComfyUI's real ``server`` is only importable from its own
+    main.py (it needs ComfyUI's ``utils`` package first on sys.path), and a running PromptServer
+    needs an event loop. The bridge looks it up the way custom nodes do: ``server.PromptServer.instance``.
+    """
+    fake = _ProgressText()
+    monkeypatch.setitem(sys.modules, "server", SimpleNamespace(PromptServer=SimpleNamespace(instance=fake)))
+    monkeypatch.setattr(comfy_env.folder_paths, "output_directory", str(tmp_path))
+    return tmp_path / "levers", fake.calls
+
+
+def _weight_bytes(module) -> int:
+    """Bytes of every parameter and buffer of ``module``, tied tensors once."""
+    seen = {(t.data_ptr(), t.nbytes) for t in [*module.parameters(), *module.buffers()]}
+    return sum(n for _, n in seen)
+
+
+def _host_offload_vae(vae):
+    import copy
+
+    v = copy.copy(vae)
+    v.patcher = vae.patcher.clone()
+    v.patcher.offload_device = HOST
+    return v
+
+
+def _in_prompt(prompt_id):
+    """Run callables the way ComfyUI's executor runs nodes: a progress registry per prompt, the
+    executing-node context while a node runs, finish_progress when it is done."""
+    from comfy_execution.graph import DynamicPrompt
+    from comfy_execution.progress import get_progress_state, reset_progress_state
+    from comfy_execution.utils import CurrentNodeContext
+
+    reset_progress_state(prompt_id, DynamicPrompt({}))
+
+    def run_node(node_id, fn):
+        get_progress_state().start_progress(node_id)
+        with CurrentNodeContext(prompt_id, node_id):
+            out = fn()
+        get_progress_state().finish_progress(node_id)
+        return out
+
+    return run_node
+
+
+def test_ledger_per_phase_reaches_the_node_json_and_python(comfy_env, tiny_wan, ledger_out):
+    from comfyui_levers.bridge.phase import format_ledger, latest_ledger
+
+    folder, sent = ledger_out
+    model, vae = _host_offload(tiny_wan.load_model()), _host_offload_vae(tiny_wan.load_vae())
+    comfy_env.mm.unload_all_models()
+    dit_bytes, vae_bytes = _weight_bytes(model.model), _weight_bytes(vae.patcher.model)
+    node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "7"}})  # as ComfyUI's executor
+    m, _, v, report = node.execute(model, None, vae).args
+    assert "on this node" in report and str(folder / "phase_ledger-<prompt id>-node7.json") in report
+    assert sent == [], "nothing ran yet"
+
+    for prompt in ("prompt-a", "prompt-b"):
+        run_node = _in_prompt(prompt)
+        latent = run_node("13", lambda: tiny_wan.sample(m))
+        # KSampler (node 13) finished: its phase closed and the ledger reached node 7 at once
+        assert sent[-1][1] == "7" and "1. sample: diffusion_model" in sent[-1][0]
+        run_node("16", lambda: tiny_wan.decode(v, latent))
+        path = folder / f"phase_ledger-{prompt}-node7.json"
+        led = json.loads(path.read_text())
+        assert led["prompt_id"] == prompt and led["node_id"] == "7"
+        assert [(p["phase"], p["component"], p["nodes"]) for p in led["phases"]] == [
+            ("sample", "diffusion_model", ["13"]), ("decode", "vae", ["16"])]
+        sample, decode = led["phases"]
+        # every weight is copied in once per phase (CpuTransport: pageable), nothing is copied out
+        assert sample["h2d_bytes"] == dit_bytes and decode["h2d_bytes"] == vae_bytes
+        assert sample["d2h_bytes"] == decode["d2h_bytes"] == 0
+        assert sample["source"] == decode["source"] == "pageable"
+        # decode began by releasing the DiT through ComfyUI: a pointer swap of all its weights
+        assert decode["released"] == ["diffusion_model"] and decode["swapped_bytes"] == dit_bytes
+        assert sample["released"] == ([] if prompt == "prompt-a" else ["vae"])
+        assert sample["swapped_bytes"] == (0 if prompt == "prompt-a" else vae_bytes)
+        assert all(p["peak_bytes"] is None and p["peak_note"].startswith("n/a on CPU") for p in led["phases"])
+        assert all(not p["open"] and p["gbps"] > 0 for p in led["phases"])
+        assert led["totals"]["h2d_bytes"] == dit_bytes + vae_bytes and led["totals"]["d2h_bytes"] == 0
+        assert sent[-1] == (format_ledger(led), "7"), "the node shows the same ledger as the JSON"
+        latest = latest_ledger()
+        assert {k: v for k, v in latest.items() if k != "updated_at"} == \
+            {k: v for k, v in led.items() if k != "updated_at"}
+    assert all(node_id == "7" for _, node_id in sent)
+
+
+def test_ledger_on_a_cpu_only_comfyui_says_nothing_moved(comfy_env, tiny_wan, ledger_out):
+    """Load and offload device both ``cpu``: ComfyUI copies nothing, Levers copies nothing."""
+    from comfyui_levers.bridge.phase import latest_ledger
+
+    folder, sent = ledger_out
+    m, _, v, report = _run_node(comfy_env, tiny_wan.load_model(), None, tiny_wan.load_vae())
+    assert "not on the node: no node id" in report      # called outside ComfyUI's executor
+    latent = tiny_wan.sample(m)
+    tiny_wan.decode(v, latent)
+    led = latest_ledger()                               # headless: closes the open decode phase
+    assert [(p["phase"], p["component"]) for p in led["phases"]] == [("sample", "diffusion_model"),
+                                                                      ("decode", "vae")]
+    for p in led["phases"]:
+        assert p["h2d_bytes"] == p["d2h_bytes"] == p["swapped_bytes"] == 0 and p["gbps"] is None
+        assert p["moved_by"].startswith("nothing: loads on cpu") and p["source"] == "n/a"
+        assert p["comfyui_moved_bytes"] == 0 and p["peak_bytes"] is None
+    assert led["prompt_id"] is None and json.loads(open(led["file"]).read())["phases"] == led["phases"]
+    assert os.path.dirname(led["file"]) == str(folder) and sent == []
+
+
+def test_ledger_file_failure_is_a_warning(comfy_env, tiny_wan, ledger_out, caplog):
+    from comfyui_levers.bridge.phase import latest_ledger
+
+    folder, _ = ledger_out
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.write_text("a file where the levers folder should be")
+    m, _, _, _ = _run_node(comfy_env, tiny_wan.load_model())
+    with caplog.at_level("WARNING", logger="levers"):
+        tiny_wan.sample(m)
+        led = latest_ledger()
+    assert led["file"] is None and [p["phase"] for p in led["phases"]] == ["sample"]
+    assert any("could not write the phase ledger" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,163 @@
+"""PhaseOffload's per-run ledger without ComfyUI: formatting, JSON, the node channel, the CUDA peak path.
+
+The bridge imports ComfyUI lazily, so everything here runs on the plain CPU test environment; the
+CUDA peak code is driven through monkeypatched ``torch.cuda`` functions (no GPU here).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from comfyui_levers.bridge import phase as P
+
+MIB = 1024 ** 2
+
+
+def _entry(index, component, **kw):
+    base = dict(index=index, component=component, phase=P.PHASES[component], device="cpu", source="pageable",
+                source_reason="cpu transport does not pin", moved_by="Levers transport", open=False)
+    base.update(kw)
+    return P.PhaseEntry(**base)
+
+
+def _run():
+    run = P.RunLedger(run_id="p1-node7", prompt_id="p1", node_id="7", started_at="2026-01-01T00:00:00+00:00")
+    run.phases.append(_entry(1, "text_encoder", h2d_bytes=3 * MIB, transfer_seconds=0.5, seconds=1.0,
+                             nodes=["6"], loads=2))
+    run.phases.append(_entry(2, "diffusion_model", h2d_bytes=40 * MIB, transfer_seconds=2.0, seconds=9.0,
+                             swapped_bytes=3 * MIB, released=["text_encoder"], nodes=["13"], loads=1))
+    run.phases.append(_entry(3, "vae", h2d_bytes=MIB, transfer_seconds=0.25, seconds=0.75,
+                             swapped_bytes=40 * MIB, released=["diffusion_model"], nodes=["16"], loads=1))
+    return run
+
+
+def test_entry_rates_and_totals_are_derived_from_the_bytes_and_seconds():
+    run = _run()
+    d = run.as_dict()
+    sample = d["phases"][1]
+    assert sample["gbps"] == round(40 * MIB / 2.0 / 1e9, 3)
+    assert sample["peak_bytes"] is None and sample["peak_note"].startswith("n/a on CPU")
+    t = d["totals"]
+    assert t["h2d_bytes"] == 44 * MIB and t["d2h_bytes"] == 0 and t["swapped_bytes"] == 43 * MIB
+    assert t["gbps"] == round(44 * MIB / 2.75 / 1e9, 3) and t["seconds"] == pytest.approx(10.75)
+    assert [p["phase"] for p in d["phases"]] == ["encode", "sample", "decode"]
+    assert d["schema"] == P.LEDGER_SCHEMA and json.loads(json.dumps(d)) == d   # JSON-ready as is
+    # nothing moved: no rate rather than a made-up one
+    assert _entry(1, "vae").gbps is None and _entry(1, "vae", h2d_bytes=5).gbps is None
+
+
+def test_comfyui_moved_bytes_is_what_levers_did_not_copy():
+    e = _entry(1, "vae", h2d_bytes=10, comfyui_loaded_before=0, comfyui_loaded_after=25)
+    assert e.comfyui_moved_bytes == 15
+    assert _entry(1, "vae", moves=False, comfyui_loaded_before=0, comfyui_loaded_after=25).comfyui_moved_bytes == 0
+    assert _entry(1, "vae", comfyui_loaded_before=None).comfyui_moved_bytes is None
+
+
+def test_format_ledger_lists_each_phase_in_order_with_its_numbers():
+    d = _run().as_dict()
+    d["file"] = "/out/levers/phase_ledger-p1-node7.json"
+    text = P.format_ledger(d)
+    lines = text.splitlines()
+    assert lines[0] == "Levers PhaseOffload ledger, prompt p1: 3 phase(s)"
+    heads = [line for line in lines if line[:1].isdigit()]
+    assert heads == ["1. encode: text_encoder on cpu, 1.000 s", "2. sample: diffusion_model on cpu, 9.000 s",
+                     "3. decode: vae on cpu, 0.750 s"]
+    assert f"H2D 40.00 MiB in 2.000 s ({d['phases'][1]['gbps']} GB/s) from pageable masters; D2H 0 B; " \
+           "pointer-swapped 3.00 MiB" in text
+    assert "released first through ComfyUI: diffusion_model" in text
+    assert "peak: n/a on CPU" in text and text.endswith("JSON: /out/levers/phase_ledger-p1-node7.json")
+    # the same text from the JSON file's contents
+    assert P.format_ledger(json.loads(json.dumps(d))) == text
+
+
+def test_format_ledger_shows_cuda_peaks_open_phases_and_bytes_outside_phases():
+    run = _run()
+    run.phases[1].device = "cuda:0"
+    run.phases[1].peak_bytes = 3 * 1024 ** 3
+    run.phases[2].open = True
+    run.outside["d2h_bytes"] = 2048
+    text = P.format_ledger(run.as_dict())
+    assert "peak: 3.00 GiB" in text and "3. decode: vae on cpu, 0.750 s, still open" in text
+    assert "outside any phase: H2D 0 B, D2H 2.00 KiB" in text and "peak 3.00 GiB" in text
+
+
+def test_write_ledger_json_round_trips_and_fails_soft(tmp_path, caplog):
+    d = _run().as_dict()
+    path = tmp_path / "levers" / "phase_ledger-x.json"
+    assert P.write_ledger_json(d, str(path)) and json.loads(path.read_text()) == d
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with caplog.at_level("WARNING", logger="levers"):
+        assert not P.write_ledger_json(d, str(blocked / "phase_ledger-y.json"))
+    assert "could not write the phase ledger" in caplog.text
+
+
+def test_send_to_node_uses_comfyuis_progress_text_when_a_server_runs(monkeypatch):
+    calls = []
+    instance = SimpleNamespace(send_progress_text=lambda text, node_id: calls.append((text, node_id)))
+    monkeypatch.delitem(sys.modules, "server", raising=False)
+    assert P.progress_text_channel() == (False, "no ComfyUI server in this process (headless)")
+    assert not P.send_to_node("x", "3")
+    monkeypatch.setitem(sys.modules, "server", SimpleNamespace(PromptServer=SimpleNamespace(instance=object())))
+    ok, why = P.progress_text_channel()
+    assert not ok and "no progress-text channel" in why            # an older ComfyUI
+    monkeypatch.setitem(sys.modules, "server", SimpleNamespace(PromptServer=SimpleNamespace(instance=instance)))
+    assert not P.send_to_node("x", None) and calls == []         # no node id: log only
+    assert P.send_to_node("ledger", 12) and calls == [("ledger", "12")]
+
+    def closed(text, node_id):
+        raise RuntimeError("Event loop is closed")
+
+    instance.send_progress_text = closed
+    assert not P.send_to_node("ledger", "12")                    # fail-soft
+
+
+def _cuda_group(monkeypatch):
+    """A group with a VAE on cuda:0 and torch.cuda's peak functions replaced by a fake allocator."""
+    calls = {"reset": [], "peak": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: calls["reset"].append(dev))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: calls["peak"])
+    group = P.PhaseGroup(P.PhaseSettings(), node_id="5")
+    dit = P.Component("diffusion_model", nn.Linear(2, 2), group, False, torch.device("cuda", 0), torch.device("cpu"))
+    vae = P.Component("vae", nn.Linear(2, 2), group, False, torch.device("cuda", 0), torch.device("cpu"))
+    group.components.update(diffusion_model=dit, vae=vae)
+    group._begin_run(None)
+    return group, dit, vae, calls
+
+
+def test_cuda_peak_is_reset_at_phase_start_and_read_at_close(monkeypatch):
+    group, dit, vae, calls = _cuda_group(monkeypatch)
+    group._open_phase(dit, None)
+    assert calls["reset"] == [torch.device("cuda", 0)]
+    calls["peak"] = 700
+    group.record("diffusion_model", "load", h2d=600, d2h=0, swapped=0, seconds=0.1, transfer_seconds=0.1)
+    group.close_phase()
+    group._open_phase(vae, None)
+    calls["peak"] = 300
+    group.close_phase()
+    # the same component again with nothing in between continues its phase; its peak is the max
+    group._open_phase(vae, None)
+    calls["peak"] = 200
+    group.close_phase()
+    d = P.latest_ledger(close=False)
+    assert [(p["phase"], p["peak_bytes"]) for p in d["phases"]] == [("sample", 700), ("decode", 300)]
+    assert len(calls["reset"]) == 3 and d["totals"]["peak_bytes"] == 700
+    assert d["phases"][0]["h2d_bytes"] == 600 and "max_memory_allocated(cuda:0)" in d["phases"][0]["peak_note"]
+    assert d["file"] is None      # no ComfyUI output folder without ComfyUI
+
+
+def test_a_new_run_starts_when_the_prompt_changes(monkeypatch):
+    group, dit, vae, calls = _cuda_group(monkeypatch)
+    group._open_phase(dit, None)
+    first = group.run
+    group._begin_run("prompt-2")                 # the next prompt: the open phase ends with the old run
+    assert group.run is not first and group.run.prompt_id == "prompt-2"
+    assert group.run.run_id == "prompt-2-node5" and not first.phases[0].open
+    group.new_run()
+    assert group.run is None and group._begin_run(None).prompt_id is None
