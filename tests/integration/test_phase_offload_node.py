@@ -340,3 +340,29 @@ def test_ledger_file_failure_is_a_warning(comfy_env, tiny_wan, ledger_out, caplo
         led = latest_ledger()
     assert led["file"] is None and [p["phase"] for p in led["phases"]] == ["sample"]
     assert any("could not write the phase ledger" in r.getMessage() for r in caplog.records)
+
+
+def test_ledger_has_encode_sample_decode_in_order(comfy_env, tiny_wan, ledger_out):
+    """With a text encoder: ComfyUI's own CLIP.load_model() (the first step of every text encode;
+    the stand-in CLIP has no tokenizer, so the encode itself is not run) opens the encode phase."""
+    folder, sent = ledger_out
+    clip = _stand_in_clip(comfy_env, dtype=torch.float32)   # fp32: no private retyped copy
+    clip.patcher.offload_device = HOST
+    model, vae = _host_offload(tiny_wan.load_model()), _host_offload_vae(tiny_wan.load_vae())
+    comfy_env.mm.unload_all_models()
+    node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "4"}})
+    m, c, v, _ = node.execute(model, clip, vae).args
+    sizes = {"text_encoder": _weight_bytes(c.cond_stage_model), "diffusion_model": _weight_bytes(m.model),
+             "vae": _weight_bytes(v.patcher.model)}
+    run_node = _in_prompt("prompt-te")
+    run_node("6", c.load_model)
+    latent = run_node("13", lambda: tiny_wan.sample(m))
+    run_node("16", lambda: tiny_wan.decode(v, latent))
+    led = json.loads((folder / "phase_ledger-prompt-te-node4.json").read_text())
+    assert [(p["phase"], p["component"]) for p in led["phases"]] == [
+        ("encode", "text_encoder"), ("sample", "diffusion_model"), ("decode", "vae")]
+    assert [p["h2d_bytes"] for p in led["phases"]] == [sizes[p["component"]] for p in led["phases"]]
+    assert all(p["d2h_bytes"] == 0 for p in led["phases"])
+    assert [p["released"] for p in led["phases"]] == [[], ["text_encoder"], ["diffusion_model"]]
+    assert [p["swapped_bytes"] for p in led["phases"]] == [0, sizes["text_encoder"], sizes["diffusion_model"]]
+    assert {node for _, node in sent} == {"4"} and "3. decode: vae" in sent[-1][0]
