@@ -1,0 +1,747 @@
+#!/usr/bin/env python3
+"""PhaseOffload inside a real ComfyUI, in process: time per generation vs ComfyUI's default flow.
+
+Builds random-weight Wan 2.1-shaped models (DiT, UMT5-shaped text encoder, Wan VAE) with ComfyUI's
+own classes, saves them where ComfyUI's stock loaders read them, and runs one text-to-video
+generation (CLIPTextEncode -> KSampler -> VAEDecode) twice per flow at the same emulated VRAM
+budget: (a) ComfyUI's default flow on the loader outputs; (b) the same graph on the outputs of
+LeversPhaseOffload's bridge (``bridge.phase.apply``, the function the node calls). The second
+run of each flow is the measured one. Per phase: seconds, peak VRAM, bytes moved; overall: the
+time ratio and whether the decoded frames are bit-identical.
+
+    python bench/comfy_phase.py --comfyui /path/to/ComfyUI --device cpu --scale cpu
+    python bench/comfy_phase.py --comfyui .comfy/pollockjj --device cuda:0 --scale gpu --out OUT
+
+From the GPU suite: ``run_phase_bench(path, "cuda:0", None, scale="gpu", deadline_s=150)``. It never
+raises: every failure becomes ``status`` + ``reason`` in the returned (JSON-ready) dict.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import io
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1024 ** 3
+SCHEMA = "levers-comfy-phase/1"
+PROMPT = "a red fox runs through fresh snow at dawn, cinematic light, shallow depth of field"
+NEGATIVE = "blurry, low quality, watermark"
+
+
+# --------------------------------------------------------------------------------------------
+# workload sizes
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Scale:
+    """One workload: model widths/depths, the latent, the sampler, and the default budget."""
+
+    name: str
+    dit_dim: int            # Wan: num_heads = dim // 128 (what UNETLoader's detection assumes)
+    dit_ffn: int
+    dit_layers: int
+    te_layers: int          # UMT5 blocks (XXL has 24) at d_model 4096, the DiT's text_dim
+    te_heads: int
+    te_d_kv: int
+    te_d_ff: int
+    vae_dim: int
+    width: int
+    height: int
+    frames: int
+    steps: int
+    cfg: float
+    dtype: str              # weights as saved: bf16 on the GPU, fp32 on the CPU (ComfyUI's CPU default)
+    budget_extra_gib: float  # default budget = DiT bytes + this
+    te_min_length: int | None = None   # prompt padding; None = the UMT5 tokenizer's own (512 tokens)
+
+
+SCALES = {
+    # seconds on 2 CPU cores: every code path, nothing that matters for memory
+    "cpu": Scale("cpu", dit_dim=256, dit_ffn=512, dit_layers=2, te_layers=2, te_heads=1, te_d_kv=8, te_d_ff=16, vae_dim=16,
+                 width=64, height=64, frames=5, steps=2, cfg=2.0, dtype="fp32", budget_extra_gib=1.5,
+                 te_min_length=32),
+    # ~4.1 GB DiT (2.0 B params: Wan 2.1 blocks at dim 2048), ~3.1 GB text encoder (8 blocks of
+    # UMT5-XXL's own width), tiny VAE: on an emulated DiT + 2.5 GiB card the DiT fits with room for
+    # its activations, the encoder does not fit next to it; 480x832x9 frames = 4680 tokens per
+    # forward, a step ~0.1-0.2 s on an H200.
+    "gpu": Scale("gpu", dit_dim=2048, dit_ffn=8192, dit_layers=30, te_layers=8, te_heads=64, te_d_kv=64, te_d_ff=10240,
+                 vae_dim=16, width=832, height=480, frames=9, steps=4, cfg=5.0, dtype="bf16",
+                 budget_extra_gib=2.5),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class OutOfTime(Exception):
+    """The deadline would be passed; what was measured so far is returned with status partial."""
+
+
+class Clock:
+    def __init__(self, seconds: float) -> None:
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def need(self, seconds: float, what: str) -> None:
+        if self.left() < seconds:
+            raise OutOfTime(f"{what}: needs ~{seconds:.0f}s, {max(0.0, self.left()):.0f}s left")
+
+
+def _log(msg: str) -> None:
+    print(f"[comfy_phase] {msg}", flush=True)
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / GIB, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# ComfyUI and Levers, in process
+# --------------------------------------------------------------------------------------------
+
+def import_comfy(comfy_path: str, device: torch.device) -> tuple[types.SimpleNamespace, list[str]]:
+    """ComfyUI's modules, importing them only if nobody has (the GPU suite may have already).
+
+    Never parses argv (``enable_args_parsing(False)``); a CPU run sets ``args.cpu`` first, as
+    ComfyUI's ``--cpu`` would, else model_management asks CUDA for a device.
+    """
+    notes: list[str] = []
+    p = Path(comfy_path).expanduser().resolve()
+    if not (p / "comfy" / "model_management.py").is_file():
+        raise FileNotFoundError(f"{p} is not a ComfyUI checkout (no comfy/model_management.py)")
+    already = "comfy.model_management" in sys.modules
+    if already:
+        loaded_from = Path(sys.modules["comfy.model_management"].__file__).resolve().parents[1]
+        if loaded_from != p:
+            notes.append(f"ComfyUI was already imported from {loaded_from}; reused it instead of {p}")
+            p = loaded_from
+        else:
+            notes.append("reused the ComfyUI already imported in this process")
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))     # its top-level modules (nodes, folder_paths) come from the same tree
+    else:
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+        import comfy.options
+        comfy.options.enable_args_parsing(False)
+        import comfy.cli_args
+        if device.type != "cuda":
+            comfy.cli_args.args.cpu = True
+            if hasattr(comfy.cli_args.args, "disable_pinned_memory"):
+                comfy.cli_args.args.disable_pinned_memory = True
+    import comfy.model_management as mm
+    import comfy.ops
+    import comfy.sd
+    import folder_paths
+    nodes = sys.modules.get("nodes")
+    if nodes is None or not hasattr(nodes, "UNETLoader"):
+        nodes = importlib.import_module("nodes")
+    version = "unknown"
+    with contextlib.suppress(ImportError, AttributeError):
+        version = importlib.import_module("comfyui_version").__version__
+    return types.SimpleNamespace(path=str(p), version=version, mm=mm, sd=comfy.sd, ops=comfy.ops,
+                                 folder_paths=folder_paths, nodes=nodes), notes
+
+
+def import_phase_bridge():
+    """``comfyui_levers.bridge.phase`` from this checkout (a package shell when not installed)."""
+    if "comfyui_levers" not in sys.modules:
+        try:
+            importlib.import_module("comfyui_levers")
+        except ImportError:
+            pkg = types.ModuleType("comfyui_levers")
+            pkg.__path__ = [str(ROOT)]
+            pkg.__file__ = str(ROOT / "__init__.py")
+            sys.modules["comfyui_levers"] = pkg
+    return importlib.import_module("comfyui_levers.bridge.phase")
+
+
+# --------------------------------------------------------------------------------------------
+# random-weight models with ComfyUI's own classes
+# --------------------------------------------------------------------------------------------
+
+class Filler:
+    """Fast deterministic random fill: slices of one N(0, 1) pool, scaled per tensor kind.
+
+    ``torch.randn`` for billions of elements is tens of seconds on a CPU; copying a pool is memcpy
+    speed. Weights ~ N(0, (0.5 / sqrt(fan_in))^2) keep activations O(1) through many blocks,
+    norm scales ~1, biases small. Statistical quality is irrelevant for timing and bit-equality.
+    """
+
+    def __init__(self, seed: int, pool: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.pool = torch.randn(pool, generator=g)
+        self.rng = random.Random(seed)
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        out = torch.empty(n, dtype=dtype)
+        pos, size = 0, self.pool.numel()
+        while pos < n:
+            off = self.rng.randrange(size)
+            k = min(n - pos, size - off)
+            out[pos:pos + k].copy_(self.pool[off:off + k])
+            pos += k
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name or leaf == "gamma" or (leaf == "weight" and len(shape) == 1):
+            out.mul_(0.05).add_(1.0)
+        elif leaf == "bias" or len(shape) <= 1:
+            out.mul_(0.02)
+        else:
+            out.mul_(0.5 / math.sqrt(max(1, math.prod(shape[1:]))))
+        return out.view(shape)
+
+    def state_dict(self, module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {k: self.tensor(k, tuple(v.shape), dtype) for k, v in sorted(module.state_dict().items())}
+
+
+def wan_dit_state_dict(sc: Scale, fill: Filler) -> dict[str, torch.Tensor]:
+    """A Wan 2.1 t2v DiT; UNETLoader reads dim from head.modulation, depth from blocks.N."""
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    m = wan.WanModel(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=sc.dit_dim,
+                     ffn_dim=sc.dit_ffn, freq_dim=256, text_dim=4096, out_dim=16, num_heads=sc.dit_dim // 128,
+                     num_layers=sc.dit_layers, operations=comfy.ops.disable_weight_init, device="meta")
+    return fill.state_dict(m, DTYPES[sc.dtype])
+
+
+def wan_vae_state_dict(sc: Scale, fill: Filler) -> dict[str, torch.Tensor]:
+    """A Wan 2.1 VAE at small width; VAELoader reads dim from decoder.head.0.gamma."""
+    import inspect
+
+    import comfy.ldm.wan.vae as wanvae
+
+    kwargs = dict(dim=sc.vae_dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                  temperal_downsample=[False, True, True], dropout=0.0)
+    if "image_channels" in inspect.signature(wanvae.WanVAE.__init__).parameters:
+        kwargs["image_channels"] = 3
+    with torch.device("meta"):
+        m = wanvae.WanVAE(**kwargs)
+    return fill.state_dict(m, DTYPES[sc.dtype])
+
+
+def spiece_model_bytes(seed: int = 0) -> bytes:
+    """A tiny SentencePiece model (byte fallback, pad 0 / eos 1 as UMT5 uses), trained in ~0.1 s.
+
+    Real UMT5 checkpoints carry their tokenizer as the ``spiece_model`` tensor; this stands in.
+    """
+    import sentencepiece as spm
+
+    rng = random.Random(seed)
+    syllables = ["ka", "ri", "mo", "ten", "sa", "lu", "vex", "or", "an", "pi", "dro", "qua", "zel", "fu", "ny"]
+    lines = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(12))
+             for _ in range(300)] + [PROMPT, NEGATIVE] * 4
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=320,
+                                   model_type="unigram", character_coverage=1.0, byte_fallback=True,
+                                   pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+    return buf.getvalue()
+
+
+# ComfyUI recognises UMT5-XXL by this tensor: 0.8.0 checks its width (4096), 0.33 its height (10240).
+XXL_PROBE = "encoder.block.23.layer.1.DenseReluDense.wi_1.weight"
+
+
+def umt5_config(sc: Scale, vocab: int) -> dict[str, Any]:
+    """A UMT5 with fewer / narrower blocks than XXL at d_model 4096 (the DiT's text_dim). Passed to
+    ComfyUI as ``model_options["umt5xxl_model_config"]``, which its UMT5 class merges into the json."""
+    return {"num_layers": sc.te_layers, "num_decoder_layers": sc.te_layers, "d_model": 4096,
+            "num_heads": sc.te_heads, "d_kv": sc.te_d_kv, "d_ff": sc.te_d_ff, "vocab_size": vocab}
+
+
+def umt5_state_dict(sc: Scale, fill: Filler, comfy_path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+
+    tok = spiece_model_bytes()
+    overrides = umt5_config(sc, vocab=320)
+    with open(Path(comfy_path) / "comfy" / "text_encoders" / "umt5_config_xxl.json") as f:
+        config = json.load(f)
+    config.update(overrides)
+    m = t5.T5(config, None, "meta", comfy.ops.disable_weight_init)
+    sd = fill.state_dict(m, DTYPES[sc.dtype])
+    if XXL_PROBE not in sd:
+        # detection only: ComfyUI picks the UMT5-XXL class from this key, then loads the config
+        # override; the tensor matches no parameter (ComfyUI logs it as unexpected) and is dropped
+        sd[XXL_PROBE] = torch.zeros(10240, 4096, dtype=torch.bfloat16)
+    sd["spiece_model"] = torch.frombuffer(bytearray(tok), dtype=torch.uint8).clone()
+    return sd, overrides
+
+
+def save(sd: dict[str, torch.Tensor], path: Path) -> int:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path))
+    return sum(t.numel() * t.element_size() for k, t in sd.items() if k not in ("spiece_model", XXL_PROBE))
+
+
+@contextlib.contextmanager
+def model_folders(folder_paths, root: Path):
+    """Register ``root/<kind>`` with ComfyUI's folder_paths and send outputs (the PhaseOffload
+    ledger JSON) to ``root/output``; undo both on exit."""
+    added = []
+    old_output = folder_paths.get_output_directory()
+    (root / "output").mkdir(parents=True, exist_ok=True)
+    folder_paths.set_output_directory(str(root / "output"))
+    for kind in ("diffusion_models", "vae", "text_encoders"):
+        d = root / kind
+        d.mkdir(parents=True, exist_ok=True)
+        folder_paths.add_model_folder_path(kind, str(d))
+        added.append((kind, str(d)))
+    try:
+        yield
+    finally:
+        folder_paths.set_output_directory(old_output)
+        for kind, d in added:
+            paths = folder_paths.folder_names_and_paths.get(kind, ([],))[0]
+            with contextlib.suppress(ValueError):
+                paths.remove(d)
+        cache = getattr(folder_paths, "filename_list_cache", None)
+        if isinstance(cache, dict):
+            for kind, _ in added:
+                cache.pop(kind, None)
+
+
+# --------------------------------------------------------------------------------------------
+# the emulated card
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def emulated_card(mm, device: torch.device, budget_bytes: int | None):
+    """A card with ``budget_bytes``: ComfyUI's ``get_free_memory`` reports ``budget - active``
+    (as the suite's ComfyBaseline does) and the caching allocator is capped at the budget, so an
+    overshoot raises OOM instead of quietly using the rest of the H200."""
+    if device.type != "cuda" or budget_bytes is None:
+        yield
+        return
+    orig = mm.get_free_memory
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        dev = mm.get_torch_device() if dev is None else dev
+        if getattr(dev, "type", None) != "cuda":
+            return orig(dev, torch_free_too)
+        stats = torch.cuda.memory_stats(dev)
+        active = stats.get("active_bytes.all.current", 0)
+        reserved = stats.get("reserved_bytes.all.current", 0)
+        free_total = max(0, budget_bytes - active)
+        return (free_total, max(0, reserved - active)) if torch_free_too else free_total
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old_fraction = getter(device) if callable(getter) else 1.0
+    mm.get_free_memory = get_free_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    try:
+        yield
+    finally:
+        mm.get_free_memory = orig
+        torch.cuda.set_per_process_memory_fraction(old_fraction, device)
+
+
+class _Lines(logging.Handler):
+    """Collect ComfyUI's load/unload log lines for one flow (they say lowvram vs full loads)."""
+
+    KEYS = ("loaded partially", "loaded completely", "unload", "Requested to load", "Levers PhaseOffload", "lowvram")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if any(k in msg for k in self.KEYS):
+            self.lines.append(msg[:240])
+
+
+@contextlib.contextmanager
+def captured_log():
+    h = _Lines()
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(h)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield h.lines
+    finally:
+        root.removeHandler(h)
+        root.setLevel(old_level)
+
+
+# --------------------------------------------------------------------------------------------
+# one generation, phase by phase
+# --------------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mem(device: torch.device) -> int | None:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+
+
+def _loaded(patchers: dict[str, Any]) -> dict[str, int]:
+    out = {}
+    for name, p in patchers.items():
+        with contextlib.suppress(Exception):   # a patcher without loaded_size() just is not listed
+            out[name] = int(p.loaded_size())
+    return out
+
+
+def _comfy_loaded(mm) -> list[dict[str, Any]]:
+    """ComfyUI's own ledger: which models it holds on the device and how much of each."""
+    out = []
+    for lm in list(mm.current_loaded_models):
+        p = lm.model
+        if p is None:
+            continue
+        with contextlib.suppress(Exception):
+            out.append({"model": type(p.model).__name__, "loaded_gib": _gib(p.loaded_size()),
+                        "size_gib": _gib(p.model_size())})
+    return out
+
+
+def generation(env, sc: Scale, device: torch.device, model, clip, vae, latent_shape: tuple[int, ...],
+               group=None, seed: int = 0) -> tuple[dict[str, Any], torch.Tensor]:
+    """CLIPTextEncode (x2) -> KSampler -> VAEDecode with ComfyUI's node code; per-phase numbers."""
+    nodes, mm = env.nodes, env.mm
+    patchers = {"diffusion_model": model, "text_encoder": clip.patcher, "vae": vae.patcher}
+    state: dict[str, Any] = {}
+
+    def encode():
+        enc = nodes.CLIPTextEncode()
+        state["pos"] = enc.encode(clip, PROMPT)[0]
+        state["neg"] = enc.encode(clip, NEGATIVE)[0]
+
+    def sample():
+        latent = {"samples": torch.zeros(latent_shape)}
+        state["latent"] = nodes.common_ksampler(model, seed, sc.steps, sc.cfg, "euler", "simple",
+                                                state["pos"], state["neg"], latent)[0]
+
+    def decode():
+        state["images"] = nodes.VAEDecode().decode(vae, state["latent"])[0]
+
+    if group is not None and hasattr(group, "new_run"):
+        group.new_run()          # one bridge run ledger per generation
+    phases: dict[str, Any] = {}
+    t_total = time.perf_counter()
+    for name, fn in (("encode", encode), ("sample", sample), ("decode", decode)):
+        _sync(device)
+        before = _loaded(patchers)
+        n_rec = len(group.records) if group is not None else 0
+        rec: dict[str, Any] = {"allocated_at_start_bytes": _mem(device)}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        rec["seconds"] = round(time.perf_counter() - t0, 4)
+        rec["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        rec["allocated_at_end_bytes"] = _mem(device)
+        after = _loaded(patchers)
+        rec["loaded_bytes_after"] = after
+        # What ComfyUI's ledger says moved: growth = weights it loaded (H2D), shrinkage = weights it
+        # unloaded (a D2H copy in the default flow, a pointer swap under PhaseOffload).
+        rec["comfy_loaded_delta"] = {
+            "up_bytes": sum(max(0, after.get(k, 0) - before.get(k, 0)) for k in patchers),
+            "down_bytes": sum(max(0, before.get(k, 0) - after.get(k, 0)) for k in patchers)}
+        if group is not None:
+            moves = [r for r in group.records[n_rec:] if "h2d" in r]
+            rec["levers_ledger"] = {"h2d_bytes": sum(r["h2d"] for r in moves), "d2h_bytes": sum(r["d2h"] for r in moves),
+                                    "swapped_bytes": sum(r["swapped"] for r in moves),
+                                    "released": sorted({x for r in group.records[n_rec:] if r["kind"] == "exclusive"
+                                                        for x in r["released"]})}
+        rec["comfy_loaded_after"] = _comfy_loaded(mm)
+        phases[name] = rec
+    total = time.perf_counter() - t_total
+    return {"total_s": round(total, 4), "phases": phases, "steps": sc.steps,
+            "dit_size_bytes": int(model.model_size())}, state["images"]
+
+
+def _flow_bytes(run: dict[str, Any], phase_flow: bool) -> dict[str, Any]:
+    ph = run["phases"].values()
+    out = {"comfy_loaded_up_bytes": sum(p["comfy_loaded_delta"]["up_bytes"] for p in ph),
+           "comfy_loaded_down_bytes": sum(p["comfy_loaded_delta"]["down_bytes"] for p in ph)}
+    # Weights ComfyUI left off the device (lowvram) are copied again at every model call: one
+    # euler step is one call (cond and uncond batched when they fit).
+    dit = run["phases"]["sample"]
+    out["lowvram_streamed_estimate_bytes"] = max(0, run.get("dit_size_bytes", 0)
+                                                 - dit["loaded_bytes_after"].get("diffusion_model", 0)) * run["steps"]
+    if phase_flow:
+        out.update({"h2d_bytes": sum(p["levers_ledger"]["h2d_bytes"] for p in ph),
+                    "d2h_bytes": sum(p["levers_ledger"]["d2h_bytes"] for p in ph),
+                    "swapped_bytes": sum(p["levers_ledger"]["swapped_bytes"] for p in ph),
+                    "source": "Levers PhaseOffload ledger (copies it made / pointer swaps it did)"})
+    else:
+        out.update({"h2d_bytes": out["comfy_loaded_up_bytes"], "d2h_bytes": out["comfy_loaded_down_bytes"],
+                    "source": "estimate: ComfyUI loaded_size growth (H2D) / shrinkage (its unload copies weights "
+                              "D2H); lowvram per-op casts during sampling are in lowvram_streamed_estimate_bytes "
+                              "(DiT bytes left off the device x steps, one model call per euler step)"})
+    return out
+
+
+def run_flow(env, sc: Scale, device: torch.device, clock: Clock, name: str, make: Callable[[], tuple],
+             latent_shape, phase_flow: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Warm-up + measured generation of one flow; failures become the flow's status."""
+    res: dict[str, Any] = {"status": "running"}
+    images = None
+    with captured_log() as lines:
+        try:
+            t0 = time.perf_counter()
+            model, clip, vae, group = make()
+            res["setup_s"] = round(time.perf_counter() - t0, 3)
+            clock.need(5, f"{name} warm-up")
+            warm, _ = generation(env, sc, device, model, clip, vae, latent_shape, group)
+            res["warmup_total_s"] = warm["total_s"]
+            _log(f"{name}: warm-up {warm['total_s']:.2f}s")
+            clock.need(warm["total_s"] * 1.5 + 2, f"{name} measured run")
+            run, images = generation(env, sc, device, model, clip, vae, latent_shape, group)
+            res.update(run)
+            res["bytes"] = _flow_bytes(run, phase_flow)
+            res["images_shape"] = list(images.shape)
+            res["images_finite"] = bool(torch.isfinite(images).all())
+            res["images_mean_std"] = [round(float(images.float().mean()), 5), round(float(images.float().std()), 5)]
+            if group is not None:
+                bridge = import_phase_bridge()
+                led = group.ledger()
+                res["ledger_totals_both_runs"] = led.get("totals")
+                res["levers_run_ledger"] = led.get("run")    # the measured generation, per phase (bridge's view)
+                res["ledger_components"] = {k: {kk: v.get(kk) for kk in ("dynamic", "master_bytes", "pin", "notes")}
+                                            for k, v in led["components"].items()}
+                res["report"] = bridge.report_text(group)
+            res["status"] = "ok"
+            _log(f"{name}: {run['total_s']:.2f}s per generation (" +
+                 ", ".join(f"{k} {v['seconds']:.2f}s" for k, v in run["phases"].items()) + ")")
+        except OutOfTime as exc:
+            res.update({"status": "partial", "reason": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
+            res.update({"status": "oom" if _is_oom(exc) else "error", "reason": _short(exc),
+                        "traceback": traceback.format_exc(limit=12)[-3000:]})
+            _log(f"{name}: {res['status']}: {_short(exc, 300)}")
+        finally:
+            res["comfy_log"] = lines[-40:]
+    return res, images
+
+
+def _unload_all(env, device: torch.device) -> None:
+    env.mm.unload_all_models()
+    gc.collect()
+    env.mm.soft_empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# the benchmark
+# --------------------------------------------------------------------------------------------
+
+def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scale: str = "gpu",
+                    deadline_s: float = 150.0, out_dir: str | None = None) -> dict[str, Any]:
+    """Default flow vs PhaseOffload in ComfyUI at one VRAM budget. Returns a JSON-ready dict and
+    never raises (status ok | partial | skipped | error, with reason)."""
+    clock = Clock(deadline_s)
+    result: dict[str, Any] = {"schema": SCHEMA, "status": "running", "reason": None, "device": device,
+                              "scale": scale, "budget_gib": budget_gib, "sizes": {}, "default": None,
+                              "phase_offload": None, "ratio_total_time": None, "bit_identical": None,
+                              "max_abs_diff": None, "notes": [], "timings": {}}
+    tmp: Path | None = None
+    try:
+        if scale not in SCALES:
+            raise ValueError(f"scale={scale!r}: choose one of {', '.join(SCALES)}")
+        sc = SCALES[scale]
+        result["workload"] = asdict(sc)
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            result.update(status="skipped", reason=f"device {device} requested but CUDA is not available")
+            return result
+        t0 = time.perf_counter()
+        env, notes = import_comfy(comfy_path, dev)
+        result["notes"].extend(notes)
+        result["comfyui_version"] = env.version
+        comfy_dev = torch.device(env.mm.get_torch_device())
+        if comfy_dev.type != dev.type:
+            result.update(status="skipped", reason=f"ComfyUI in this process runs on {comfy_dev}, not {device} "
+                                                   "(it was imported with other flags)")
+            return result
+        bridge = import_phase_bridge()
+        result["timings"]["import_s"] = round(time.perf_counter() - t0, 2)
+        result["torch"] = torch.__version__
+        if dev.type == "cuda":
+            result["gpu"] = torch.cuda.get_device_name(dev)
+            result["gpu_total_gib"] = _gib(torch.cuda.get_device_properties(dev).total_memory)
+
+        tmp = Path(tempfile.mkdtemp(prefix="levers_comfy_phase_"))
+        with model_folders(env.folder_paths, tmp):
+            names, te_config = build_models(env, sc, tmp, result)
+            clock.need(10, "loading the models")
+            with torch.inference_mode():    # ComfyUI runs every prompt (loaders included) in inference mode
+                result["status"] = load_and_run(env, bridge, sc, dev, budget_gib, clock, tmp, result, names,
+                                                te_config)
+    except OutOfTime as exc:
+        result.update(status="partial", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the suite gets a record, never a traceback
+        result.update(status="error", reason=_short(exc), traceback=traceback.format_exc(limit=12)[-4000:])
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        gc.collect()            # the models (and their pinned host masters) die with this call
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        result["wall_s"] = round(time.monotonic() - clock.t0, 2)
+        if out_dir:
+            with contextlib.suppress(OSError):
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                (Path(out_dir) / "comfy_phase.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def build_models(env, sc: Scale, tmp: Path, result: dict[str, Any]) -> tuple[tuple[str, str, str], dict[str, Any]]:
+    """Random-weight DiT, text encoder and VAE files under ``tmp`` (registered with folder_paths)."""
+    t0 = time.perf_counter()
+    fill = Filler(seed=0, pool=(1 << 25) if sc.name == "gpu" else (1 << 20))
+    unet_name, vae_name, te_name = "levers_bench_wan.safetensors", "levers_bench_wan_vae.safetensors", \
+        "levers_bench_umt5.safetensors"
+    sizes = result["sizes"]
+    sizes["dit"] = save(wan_dit_state_dict(sc, fill), tmp / "diffusion_models" / unet_name)
+    sizes["vae"] = save(wan_vae_state_dict(sc, fill), tmp / "vae" / vae_name)
+    te_sd, te_config = umt5_state_dict(sc, fill, env.path)
+    result["notes"].append(f"text encoder: UMT5 with {sc.te_layers} blocks ({te_config}) loaded by comfy.sd.load_clip "
+                           f"(what CLIPLoader type=wan calls) with model_options['umt5xxl_model_config']; the file "
+                           f"also holds {XXL_PROBE} (detection only, unused, logged by ComfyUI as unexpected)")
+    sizes["te"] = save(te_sd, tmp / "text_encoders" / te_name)
+    del te_sd, fill
+    result["timings"]["build_s"] = round(time.perf_counter() - t0, 2)
+    _log(f"built DiT {sizes['dit'] / GIB:.2f} GiB, text encoder {sizes['te'] / GIB:.2f} GiB, "
+         f"VAE {sizes['vae'] / GIB:.3f} GiB in {result['timings']['build_s']}s")
+    return (unet_name, vae_name, te_name), te_config
+
+
+def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | None, clock: Clock, tmp: Path,
+                  result: dict[str, Any], names: tuple[str, str, str], te_config: dict[str, Any]) -> str:
+    nodes, mm, sizes = env.nodes, env.mm, result["sizes"]
+    unet_name, vae_name, te_name = names
+
+    t0 = time.perf_counter()
+    model = nodes.UNETLoader().load_unet(unet_name, "default")[0]
+    # CLIPLoader(type="wan") is exactly comfy.sd.load_clip(...); the one addition is the config
+    # override ComfyUI reads from model_options, for a narrower UMT5 than the stock XXL json.
+    clip = env.sd.load_clip(ckpt_paths=[str(tmp / "text_encoders" / te_name)],
+                            embedding_directory=env.folder_paths.get_folder_paths("embeddings"),
+                            clip_type=env.sd.CLIPType.WAN, model_options={"umt5xxl_model_config": te_config})
+    if sc.te_min_length is not None and hasattr(clip, "set_tokenizer_option"):
+        clip.set_tokenizer_option("umt5xxl_min_length", sc.te_min_length)   # clones copy it
+    vae = nodes.VAELoader().load_vae(vae_name)[0]
+    result["timings"]["load_s"] = round(time.perf_counter() - t0, 2)
+    result["model_sizes_comfy"] = {"dit": int(model.model_size()), "te": int(clip.patcher.model_size()),
+                                   "vae": int(vae.patcher.model_size())}
+
+    if dev.type == "cuda":
+        budget = int((budget_gib if budget_gib is not None else sizes["dit"] / GIB + sc.budget_extra_gib) * GIB)
+        result["budget_gib"] = round(budget / GIB, 3)
+        if sizes["dit"] + sizes["te"] <= budget:
+            result["notes"].append("DiT + text encoder fit together in this budget: phases need not evict")
+    else:
+        budget = None
+        result["budget_gib"] = None
+        result["notes"].append("CPU device: no VRAM budget (ComfyUI loads everything on a CPU device); the CPU "
+                               "run checks the code path and bit-equality, not memory")
+    t = sc.frames
+    latent_shape = (1, 16, (t - 1) // 4 + 1, sc.height // 8, sc.width // 8)
+    result["latent_shape"] = list(latent_shape)
+
+    def default_flow():
+        return model, clip, vae, None
+
+    def phase_flow():
+        m, c, v, group = bridge.apply(model, clip, vae, bridge.PhaseSettings())
+        state["phase_outputs"] = (m, c, v)
+        return m, c, v, group
+
+    state: dict[str, Any] = {}
+    images: dict[str, torch.Tensor | None] = {}
+    with emulated_card(mm, dev, budget):
+        try:
+            _unload_all(env, dev)
+            result["default"], images["default"] = run_flow(env, sc, dev, clock, "default", default_flow,
+                                                            latent_shape, phase_flow=False)
+            _unload_all(env, dev)
+            if result["default"]["status"] in ("ok", "oom", "error"):
+                clock.need(max(5.0, 1.5 * (result["default"].get("warmup_total_s") or 0)
+                               + 1.5 * (result["default"].get("total_s") or 0)), "PhaseOffload flow")
+                result["phase_offload"], images["phase"] = run_flow(env, sc, dev, clock, "phase_offload",
+                                                                    phase_flow, latent_shape, phase_flow=True)
+        finally:
+            _unload_all(env, dev)
+            for p in state.get("phase_outputs", ()):
+                if p is not None:
+                    with contextlib.suppress(Exception):
+                        bridge.remove_phase_offload(p if not hasattr(p, "patcher") else p.patcher)
+
+    d, p = result["default"] or {}, result["phase_offload"] or {}
+    if d.get("total_s") and p.get("total_s"):
+        result["ratio_total_time"] = round(p["total_s"] / d["total_s"], 4)
+    a, b = images.get("default"), images.get("phase")
+    if a is not None and b is not None:
+        same = a.shape == b.shape and a.dtype == b.dtype
+        # bitwise, so NaNs (random weights) compare equal when both flows produced the same bits
+        result["bit_identical"] = bool(same and torch.equal(a.contiguous().view(torch.uint8),
+                                                            b.contiguous().view(torch.uint8)))
+        result["max_abs_diff"] = float((a.float() - b.float()).nan_to_num(0.0).abs().max()) if same else None
+    if d.get("status") == "ok" and p.get("status") == "ok":
+        result["reason"] = None
+        return "ok"
+    result["reason"] = "; ".join(f"{n}: {r.get('status')} ({r.get('reason')})" for n, r in
+                                 (("default", d), ("phase_offload", p)) if r.get("status") != "ok") or "flow missing"
+    return "partial"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), help="ComfyUI checkout (default $COMFYUI_PATH)")
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--scale", default="gpu" if torch.cuda.is_available() else "cpu", choices=sorted(SCALES))
+    ap.add_argument("--budget-gib", type=float, default=None, help="emulated VRAM budget (default: DiT + the scale's margin)")
+    ap.add_argument("--deadline", type=float, default=150.0, help="seconds for the whole benchmark")
+    ap.add_argument("--out", default=None, help="folder for comfy_phase.json")
+    a = ap.parse_args(argv)
+    if not a.comfyui:
+        print(json.dumps({"status": "skipped", "reason": "no --comfyui PATH and no $COMFYUI_PATH"}))
+        return 2
+    res = run_phase_bench(a.comfyui, a.device, a.budget_gib, a.scale, a.deadline, a.out)
+    print(json.dumps(res, indent=2, default=str))
+    return 0 if res["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""bench/comfy_phase.py: PhaseOffload vs ComfyUI's default flow, in a real ComfyUI, on the CPU.
+
+The benchmark imports ComfyUI into its process, so it runs in a subprocess: nothing of ComfyUI
+leaks into this test process. Needs COMFYUI_PATH (a ComfyUI checkout); skipped without it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "comfy_phase.py"
+STUBS = ROOT / "tests" / "integration" / "stubs"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("levers_bench_comfy_phase", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod      # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _comfyui() -> str:
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        pytest.skip("COMFYUI_PATH is not set: point it at a ComfyUI checkout to run the in-ComfyUI benchmark")
+    if not (Path(path) / "comfy" / "model_management.py").is_file():
+        pytest.skip(f"COMFYUI_PATH={path} has no comfy/model_management.py")
+    return path
+
+
+def test_bad_inputs_become_a_status_not_an_exception(tmp_path):
+    bench = _load_bench()
+    res = bench.run_phase_bench(str(tmp_path), "cpu", None, scale="cpu", deadline_s=10)
+    assert res["status"] == "error" and "not a ComfyUI checkout" in res["reason"]
+    res = bench.run_phase_bench(str(tmp_path), "cpu", None, scale="huge", deadline_s=10)
+    assert res["status"] == "error" and "scale" in res["reason"]
+    json.dumps(res)   # JSON-ready even on failure
+
+
+def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
+    comfy = _comfyui()
+    env = dict(os.environ)
+    if importlib.util.find_spec("torchaudio") is None:   # ComfyUI 0.33 imports it at start-up
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS), env.get("PYTHONPATH")) if p)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCH), "--comfyui", comfy, "--device", "cpu", "--scale", "cpu",
+                           "--deadline", "400", "--out", str(out)],
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+    path = out / "comfy_phase.json"
+    assert path.is_file(), f"no result written (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    res = json.loads(path.read_text())
+    assert res["status"] == "ok", (res["reason"], res.get("traceback"), res.get("default"), res.get("phase_offload"))
+    assert proc.returncode == 0
+
+    d, p = res["default"], res["phase_offload"]
+    assert res["sizes"]["dit"] > 0 and res["sizes"]["te"] > 0 and res["sizes"]["vae"] > 0
+    for flow in (d, p):
+        assert flow["status"] == "ok"
+        assert flow["images_shape"][-1] == 3 and flow["images_finite"]
+        assert set(flow["phases"]) == {"encode", "sample", "decode"}
+        for ph in flow["phases"].values():
+            assert ph["seconds"] > 0 and "peak_allocated_bytes" in ph
+        assert flow["total_s"] >= sum(ph["seconds"] for ph in flow["phases"].values()) * 0.99
+    assert d["images_shape"] == p["images_shape"]
+    assert res["bit_identical"] is True and res["max_abs_diff"] == 0.0
+    assert res["ratio_total_time"] == pytest.approx(p["total_s"] / d["total_s"], rel=1e-3)
+
+    # ComfyUI's default flow keeps every component loaded; under PhaseOffload each phase runs alone
+    # (ComfyUI's own ledger, read after each phase) and the bridge says whom it released.
+    assert len(d["phases"]["decode"]["comfy_loaded_after"]) == 3
+    for name, ph in p["phases"].items():
+        assert len(ph["comfy_loaded_after"]) == 1, (name, ph["comfy_loaded_after"])
+    assert p["phases"]["sample"]["levers_ledger"]["released"] == ["text_encoder"]
+    assert p["phases"]["decode"]["levers_ledger"]["released"] == ["diffusion_model"]
+    assert p["bytes"]["d2h_bytes"] == 0
+    assert "PhaseOffload" in p["report"]
