@@ -366,3 +366,66 @@ def test_ledger_has_encode_sample_decode_in_order(comfy_env, tiny_wan, ledger_ou
     assert [p["released"] for p in led["phases"]] == [[], ["text_encoder"], ["diffusion_model"]]
     assert [p["swapped_bytes"] for p in led["phases"]] == [0, sizes["text_encoder"], sizes["diffusion_model"]]
     assert {node for _, node in sent} == {"4"} and "3. decode: vae" in sent[-1][0]
+
+
+def test_ledger_in_a_real_comfyui_server_reaches_the_node_and_the_output_folder(comfy_env, tmp_path):
+    """A headless ComfyUI subprocess runs UNETLoader -> PhaseOffload -> KSampler -> VAEDecode: the
+    executor's own hidden unique_id, execution context and progress registry drive the ledger; the
+    text reaches the websocket as ComfyUI's binary TEXT event for the PhaseOffload node."""
+    import struct
+    import uuid
+
+    from comfy_server import ComfyServer
+    from tiny_models import save, tiny_wan_dit_state_dict, tiny_wan_vae_state_dict
+
+    from comfyui_levers.core import client as C
+
+    srv = ComfyServer(comfy_env.path, base_dir=str(tmp_path / "base"))
+    save(tiny_wan_dit_state_dict(), str(srv.models_dir / "diffusion_models" / "ledger_dit.safetensors"))
+    save(tiny_wan_vae_state_dict(), str(srv.models_dir / "vae" / "ledger_vae.safetensors"))
+    srv.start()
+    try:
+        api = {
+            "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "ledger_dit.safetensors",
+                                                         "weight_dtype": "default"}},
+            "2": {"class_type": "VAELoader", "inputs": {"vae_name": "ledger_vae.safetensors"}},
+            "4": {"class_type": "LeversPhaseOffload", "inputs": {
+                "model": ["1", 0], "vae": ["2", 0], "model_device": "auto", "text_encoder_device": "auto",
+                "vae_device": "auto", "pin": "auto", "text_encoder_precision": "auto"}},
+            "10": {"class_type": "LeversTestConditioning", "inputs": {"seed": 1, "tokens": 8, "dim": 4096,
+                                                                      "scale": 1.0}},
+            "11": {"class_type": "LeversTestConditioning", "inputs": {"seed": 2, "tokens": 8, "dim": 4096,
+                                                                      "scale": 0.1}},
+            "12": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
+                                                                       "batch_size": 1}},
+            "13": {"class_type": "KSampler", "inputs": {
+                "model": ["4", 0], "seed": 0, "steps": 2, "cfg": 2.0, "sampler_name": "euler",
+                "scheduler": "simple", "positive": ["10", 0], "negative": ["11", 0], "latent_image": ["12", 0],
+                "denoise": 1.0}},
+            "16": {"class_type": "VAEDecode", "inputs": {"samples": ["13", 0], "vae": ["4", 2]}},
+            "17": {"class_type": "SaveImage", "inputs": {"images": ["16", 0], "filename_prefix": "ledger"}},
+        }
+        client = C.ComfyClient(srv.url, timeout=120)
+        listener = C.WebSocket.connect(client.ws_url(uuid.uuid4().hex))   # progress text is broadcast
+        try:
+            result = C.run_prompt(client, api, out_dir=None, timeout=600)
+            assert result.status == "success", srv.log_tail()
+            texts, quiet = [], 0
+            while quiet < 4:
+                msg = listener.recv(timeout=0.5)
+                quiet = quiet + 1 if msg is None else 0
+                if msg is not None and msg[0] == 0x2 and struct.unpack(">I", msg[1][:4])[0] == 3:  # TEXT
+                    n = struct.unpack(">I", msg[1][4:8])[0]
+                    texts.append((msg[1][8:8 + n].decode(), msg[1][8 + n:].decode()))
+        finally:
+            listener.close()
+        path = srv.output_dir / "levers" / f"phase_ledger-{result.prompt_id}-node4.json"
+        assert path.is_file(), srv.log_tail()
+        led = json.loads(path.read_text())
+        assert [(p["phase"], p["nodes"], p["open"]) for p in led["phases"]] == [
+            ("sample", ["13"], False), ("decode", ["16"], False)]
+        ours = [text for node, text in texts if node == "4"]
+        assert ours and ours[-1].startswith(f"Levers PhaseOffload ledger, prompt {result.prompt_id}: 2 phase(s)")
+        assert f"phase_ledger-{result.prompt_id}-node4.json" in ours[-1]
+    finally:
+        srv.stop()
