@@ -309,8 +309,111 @@ def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
     return chosen, notes
 
 
+# context width of the text conditioning, by the unet_config key each architecture family uses
+_CONTEXT_KEYS = ("context_dim", "text_dim", "context_in_dim", "joint_attention_dim", "text_states_dim", "cap_feat_dim",
+                 "context_embedder_config")
+QUALITY_BAR_DB = 35.0  # the issue's bar for fp8 and int8 (invisible on real models); nf4 is reported against it
+
+
+class QualityCheckSkipped(Exception):
+    """The architecture cannot be driven with a synthetic input; the report says why."""
+
+
+def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
+    """(x, sigma, context, extra conds) for one forward: a tiny latent of the model's own format."""
+    model = patcher.model
+    lf = getattr(model, "latent_format", None)
+    channels = getattr(lf, "latent_channels", None)
+    dims = getattr(lf, "latent_dimensions", 2)
+    if not channels:
+        raise QualityCheckSkipped("the model's latent format has no channel count")
+    if dims == 3:
+        shape = (1, channels, 1, side, side)                                 # (B, C, T=1 frame, H, W)
+    elif dims == 2:
+        shape = (1, channels, side, side)                                    # (B, C, H, W)
+    else:
+        raise QualityCheckSkipped(f"{dims}-D latents (audio/1-D models) are not driven by the check")
+    unet_config = getattr(model.model_config, "unet_config", {}) or {}
+    width = next((unet_config[k] for k in _CONTEXT_KEYS if isinstance(unet_config.get(k), int)), None)
+    if width is None:
+        width = _context_width_from_layers(model.diffusion_model)
+    if width is None:
+        raise QualityCheckSkipped("the text-context width is neither in the model config "
+                                  f"({', '.join(_CONTEXT_KEYS)}) nor readable from a text-input layer")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    context = torch.randn(1, tokens, width, generator=g)
+    sigma = torch.tensor([float(model.model_sampling.percent_to_sigma(0.5))])
+    extra = {}
+    adm = getattr(model, "adm_channels", 0) or 0
+    if adm:  # SDXL-style pooled vector
+        extra["y"] = torch.randn(1, adm, generator=g)
+    return x, sigma, context, extra
+
+
+# the first layer that reads the text context, per architecture family (its in_features is the width)
+_CONTEXT_LAYERS = ("text_embedding.0", "txt_in.input_embedder", "txt_in", "context_embedder", "cap_embedder.1",
+                   "caption_projection.linear_1")
+
+
+def _context_width_from_layers(dm) -> int | None:
+    for name in _CONTEXT_LAYERS:
+        try:
+            layer = dm.get_submodule(name)
+        except AttributeError:
+            continue
+        width = getattr(layer, "in_features", None)
+        if isinstance(width, int):
+            return width
+    for name, m in dm.named_modules():  # UNets: the cross-attention key projection
+        if name.endswith(("attn2.to_k", "cross_attn.k")) and isinstance(getattr(m, "in_features", None), int):
+            return m.in_features
+    return None
+
+
+def _predict(patcher, inputs) -> torch.Tensor:
+    """The network's contribution ``x - denoised`` for one forward on the patcher's load device."""
+    import comfy.model_management as mm
+
+    x, sigma, context, extra = inputs
+    mm.load_models_gpu([patcher])
+    dev = patcher.load_device
+    with torch.inference_mode():
+        denoised = patcher.model.apply_model(x.to(dev), sigma.to(dev), c_crossattn=context.to(dev),
+                                             **{k: v.to(dev) for k, v in extra.items()})
+    # x is the same in both runs; subtracting it leaves what the weights produced (sigma * prediction)
+    return (x.to(dev) - denoised.float()).cpu()
+
+
+def quality_check(original, quantized, fmt: str, seed: int = 0) -> tuple[float | None, str]:
+    """(PSNR dB | None, report line): the quantized model's prediction vs the original's, same input."""
+    from ..core.quant.metrics import psnr
+
+    try:
+        inputs = _synthetic_inputs(original, seed)
+        ref = _predict(original, inputs)
+        out = _predict(quantized, inputs)
+    except QualityCheckSkipped as exc:
+        return None, f"quality check skipped: {exc}"
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # fail soft: an architecture that needs conditioning we do not synthesise must not fail the node
+        return None, f"quality check skipped: one forward with a synthetic input failed ({type(exc).__name__}: {exc})"
+    score = psnr(ref, out)
+    shape = "x".join(str(d) for d in inputs[0].shape)
+    line = (f"quality check: output PSNR {score:.1f} dB vs the original (one forward, {shape} latent, seed {seed}, "
+            f"same noise and context)")
+    if score < QUALITY_BAR_DB:
+        expected = " (expected for 4-bit)" if str(fmt) == "nf4" else \
+            "; keep more layers (keep_first_blocks / keep_last_blocks / extra_skip) or use a finer granularity"
+        line += f"\n  below the {QUALITY_BAR_DB:.0f} dB bar that fp8 and int8 are held to{expected}"
+    else:
+        line += f"\n  meets the {QUALITY_BAR_DB:.0f} dB bar that fp8 and int8 are held to"
+    return score, line
+
+
 def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_first_blocks: int = 0,
-                  keep_last_blocks: int = 0, extra_skip: str = "", plan=None, save_path: str = ""):
+                  keep_last_blocks: int = 0, extra_skip: str = "", plan=None, save_path: str = "",
+                  quality_check_enabled: bool = True):
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     chosen, notes = choose_format(fmt, plan)
     gran = granularity
@@ -323,8 +426,12 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     report.notes[:0] = notes
     text = report.format_text()
     if new is not model:
+        if quality_check_enabled:
+            text += "\n  " + quality_check(model, new, config.format)[1]
         from ..core.quant.census import census as run_census
         text += "\n" + run_census(model.model.diffusion_model, arch=report.arch, config=config).format_text()
+    elif quality_check_enabled:
+        text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
     if save_path and save_path.strip():
         path = resolve_save_path(save_path)
         save_quantized(new, path, config, report.arch)

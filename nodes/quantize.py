@@ -38,15 +38,20 @@ class LeversQuantizeDiT(io.ComfyNode):
                 io.String.Input("save_path", default="", optional=True,
                                 tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
                                         "per_tensor is ComfyUI's own layout (stock UNETLoader loads it). Never overwrites."),
+                io.Boolean.Input("quality_check", default=True, optional=True,
+                                 tooltip="Run the original and the quantized model once on a tiny random latent "
+                                         "(same seed, noise and context) and report the PSNR of the quantized "
+                                         "output vs the original in dB (fp8/int8 aim for >= 35 dB). Costs two small "
+                                         "forward passes (the original is loaded once, as ComfyUI loads it)."),
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
         )
 
     @classmethod
     def execute(cls, model, format="auto", granularity="auto", keep_first_blocks=0, keep_last_blocks=0,
-                extra_skip="", plan=None, save_path="") -> io.NodeOutput:
+                extra_skip="", plan=None, save_path="", quality_check=True) -> io.NodeOutput:
         new, report = quantize_node(model, format, granularity, keep_first_blocks, keep_last_blocks, extra_skip,
-                                    plan, save_path)
+                                    plan, save_path, quality_check)
         return io.NodeOutput(new, report, ui=ui.PreviewText(report))
 
 
