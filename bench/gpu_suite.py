@@ -796,10 +796,10 @@ class _ListHandler(logging.Handler):
 # the suite: results, deadlines, sections
 # --------------------------------------------------------------------------------------------
 
-SECTION_ORDER = ("bandwidth", "dit", "phase", "quant", "vae", "recommend")
+SECTION_ORDER = ("bandwidth", "dit", "dynamic", "phase", "quant", "vae", "recommend")
 # Seconds each section may start new cases for (full run). The dit section also leaves time for
 # the sections after it. Sum + imports stays under ~6.5 minutes.
-SECTION_SECONDS = {"bandwidth": 20, "dit": 235, "phase": 25, "quant": 40, "vae": 30, "recommend": 10}
+SECTION_SECONDS = {"bandwidth": 20, "dit": 260, "dynamic": 110, "phase": 25, "quant": 40, "vae": 30, "recommend": 10}
 
 
 def source_fingerprint() -> str:
@@ -1301,6 +1301,9 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
     def floor(r: dict) -> None:
         run_resident(r, None)
         ref["s_per_step"] = r["s_per_step"]
+        if ref["out"] is not None:      # for engines timed in other processes (the dynamic section)
+            (suite.out / "refs").mkdir(exist_ok=True)
+            torch.save(ref["out"], suite.out / "refs" / f"{spec.name}.pt")
         if r["peak_allocated_bytes"] is not None:
             ref["act_peak"] = r["peak_allocated_bytes"] - host.nbytes
         r.update({"note": "unbudgeted: the compute floor and the reference output",
@@ -1688,6 +1691,69 @@ def fp8_modes(q, lin, x, ref, dev, warmup: int, reps: int, bf16_ms: float) -> di
 
 
 # --------------------------------------------------------------------------------------------
+# ComfyUI's DynamicVRAM at the same budgets (its own process per case: bench/comfy_dynamic.py)
+# --------------------------------------------------------------------------------------------
+
+def sec_dynamic(suite: Suite, sec: dict, deadline: float) -> None:
+    dev = suite.device
+    if dev.type != "cuda" and not suite.smoke:
+        raise Skip("no CUDA device: DynamicVRAM runs only on a GPU")
+    path = suite.args.comfyui_dynamic
+    if not path:
+        raise Skip("no --comfyui-dynamic PATH (a DynamicVRAM-era ComfyUI, 0.15+, with comfy-aimdo installed)")
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 64 * GIB
+    free_device_memory(dev)
+    dit = suite.results["sections"].get("dit", {}).get("models", {})
+    cases: list[dict[str, Any]] = []
+    sec.update({"comfyui": str(path), "cases": cases,
+                "note": "ComfyUI's ModelPatcherDynamic + comfy-aimdo on the suite's DiT (same seeded weights and "
+                        "inputs), one process per case; the card is emulated with aimdo's VRAM headroom "
+                        "(total - budget, ComfyUI's --vram-headroom) and ComfyUI's free-memory reads; "
+                        "device_used_after_step = device memory in use after each step minus before the load"})
+    for item in suite.args.dynamic_cases.split(","):
+        model, _, gib = item.partition(":")
+        label = f"{float(gib):g} GiB"
+        left = suite.left(deadline)
+        row: dict[str, Any] = {"model": model, "budget": label}
+        cases.append(row)
+        if left < 30 and not suite.smoke:
+            row.update({"status": "skipped", "reason": f"section deadline: {left:.0f}s left"})
+            continue
+        cmd = [sys.executable, str(ROOT / "bench" / "comfy_dynamic.py"), "--comfyui", str(path), "--model", model,
+               "--budget-gib", gib, "--total-bytes", str(total), "--seconds", f"{max(5.0, min(40.0, left - 25)):.0f}"]
+        ref = suite.out / "refs" / f"{model}.pt"
+        if ref.is_file():
+            cmd += ["--ref", str(ref)]
+        if suite.smoke:
+            cmd += ["--smoke"] + (["--dry-cpu"] if dev.type != "cuda" else [])
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(20.0, left - 3))
+            line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("LEVERS_JSON ")), None)
+            if line is None:
+                row.update({"status": "failed", "reason": f"no result (exit {proc.returncode})",
+                            "stderr_tail": proc.stderr[-2500:]})
+            else:
+                row.update(json.loads(line[len("LEVERS_JSON "):]))
+                row["log_tail"] = proc.stderr[-1500:]
+        except subprocess.TimeoutExpired as exc:
+            row.update({"status": "timeout", "reason": f"killed after {exc.timeout:.0f}s",
+                        "stderr_tail": (exc.stderr or b"")[-2500:].decode(errors="replace")
+                        if isinstance(exc.stderr, bytes) else str(exc.stderr or "")[-2500:]})
+        row["case_wall_s"] = rnd(time.monotonic() - t0, 2)
+        ours = next((c for c in (dit.get(model) or {}).get("cases", [])
+                     if c.get("engine") == "levers_prefetch" and c.get("budget") == label and c.get("status") == "ok"),
+                    None)
+        if ours and row.get("status") == "ok" and row.get("s_per_step"):
+            row["levers_prefetch_s_per_step"] = ours["s_per_step"]
+            row["levers_vs_dynamic"] = rnd(ours["s_per_step"] / row["s_per_step"], 3)
+        log(f"  dynamic {model} {label}: {row.get('status')} {row.get('s_per_step')} s/step"
+            + (f", Levers/DynamicVRAM {row['levers_vs_dynamic']}" if "levers_vs_dynamic" in row else "")
+            + (f" ({str(row.get('reason'))[:160]})" if row.get("reason") else ""))
+        suite.save()
+
+
+# --------------------------------------------------------------------------------------------
 # section 6: Recommend's predictions vs what the dit section measured
 # --------------------------------------------------------------------------------------------
 
@@ -2023,6 +2089,17 @@ def build_summary(results: dict) -> dict[str, Any]:
     summary["prefetch_vs_comfy"] = _metric(rnd(worst, 3), comfy_reason, "<= 0.77 (>= 1.3x faster)",
                                            None if worst is None else worst <= 1 / 1.3, by_case=by_case,
                                            definition="worst case of Levers s/step / ComfyUI s/step at the same budget")
+    dyn = results.get("sections", {}).get("dynamic", {})
+    dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
+    dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)
+    dyn_reason = _section_reason(results, "dynamic") or "; ".join(
+        f"{c.get('model')}@{c.get('budget')}: {c.get('status')} {str(c.get('reason'))[:200]}"
+        for c in dyn.get("cases", []) if c.get("status") != "ok") or "no case with both engines"
+    summary["prefetch_vs_comfy_dynamic"] = _metric(
+        dyn_worst, dyn_reason, "<= 1.0 (else GroupPrefetch stands aside under DynamicVRAM)",
+        None if dyn_worst is None else dyn_worst <= 1.0,
+        by_case={f"{c['model']}@{c['budget']}": c["levers_vs_dynamic"] for c in dyn_rows},
+        definition="worst case of Levers GroupPrefetch s/step / ComfyUI DynamicVRAM s/step at the same budget")
 
     # video DiT vs resident
     wan_floor = floor.get("wan")
@@ -2197,6 +2274,16 @@ def render_markdown(results: dict) -> str:
             lines.append(f"| {v.get('tile_px')} | {v.get('tiles')} | {_fmt(gb(v.get('untiled_peak_bytes')), 3)} | "
                          f"{_fmt(gb(v.get('tiled_peak_bytes')), 3)} | {_fmt(v.get('peak_ratio'))} | "
                          f"{_fmt(v.get('untiled_s'), 3)} | {_fmt(v.get('tiled_s'), 3)} | {_fmt(v.get('psnr_db'), 1)} |")
+    dyn = results.get("sections", {}).get("dynamic", {})
+    if dyn.get("cases"):
+        lines += ["", "## ComfyUI DynamicVRAM at the same budgets", "", dyn.get("note", ""), "",
+                  "| model | budget | status | s/step | Levers GroupPrefetch s/step | Levers ÷ DynamicVRAM | device used GiB | bit-exact | reason |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in dyn["cases"]:
+            lines.append(f"| {c.get('model')} | {c.get('budget')} | {c.get('status')} | {_fmt(c.get('s_per_step'), 4)} | "
+                         f"{_fmt(c.get('levers_prefetch_s_per_step'), 4)} | {_fmt(c.get('levers_vs_dynamic'))} | "
+                         f"{_fmt(gb(c.get('device_used_after_step_bytes')))} | {_fmt(c.get('bit_exact'))} | "
+                         f"{str(c.get('reason') or '')[:160]} |")
     rec = results.get("sections", {}).get("recommend", {})
     if rec.get("rows"):
         lines += ["", "## Recommend: predicted vs measured", "",
@@ -2270,7 +2357,7 @@ def render_plot(results: dict, path: Path) -> str | None:
 # main
 # --------------------------------------------------------------------------------------------
 
-SECTIONS = {"bandwidth": sec_bandwidth, "dit": sec_dit, "phase": sec_phase, "quant": sec_quant, "vae": sec_vae,
+SECTIONS = {"bandwidth": sec_bandwidth, "dit": sec_dit, "dynamic": sec_dynamic, "phase": sec_phase, "quant": sec_quant, "vae": sec_vae,
             "recommend": sec_recommend}
 
 
@@ -2279,6 +2366,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (suite.json, suite.md, suite.png, suite.log)")
     p.add_argument("--fp8-modes", default="off,tensorwise,rowwise",
                    help="fp8 compute modes timed on the whole DiT (comma list of off, tensorwise, rowwise)")
+    p.add_argument("--comfyui-dynamic", default=os.environ.get("COMFYUI_DYNAMIC_PATH"),
+                   help="a DynamicVRAM-era ComfyUI (0.15+, comfy-aimdo importable) for the dynamic section")
+    p.add_argument("--dynamic-cases", default="flux:12,wan:12,flux:24",
+                   help="model:GiB budgets for the DynamicVRAM baseline, in order, while time lasts")
     p.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"),
                    help="ComfyUI checkout for the baseline (default: $COMFYUI_PATH; none = baseline skipped)")
     p.add_argument("--sections", default=",".join(SECTION_ORDER),

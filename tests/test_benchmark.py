@@ -105,7 +105,7 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
     d = _run_suite(tmp_path, "--smoke", "--models", "flux")
     assert d["smoke"] is True and d["schema"].startswith("levers-gpu-suite/")
     assert "commit" in d["git"] and d["machine"]["torch"]
-    assert set(d["sections"]) == {"bandwidth", "dit", "phase", "quant", "vae", "recommend"}
+    assert set(d["sections"]) == {"bandwidth", "dit", "dynamic", "phase", "quant", "vae", "recommend"}
     for name, sec in d["sections"].items():
         assert sec["status"] in ("ok", "skipped"), (name, sec.get("reason"), sec.get("traceback"))
         if sec["status"] == "skipped":
@@ -182,3 +182,20 @@ def test_summary_ratios_and_budget_verdict():
     s = suite.build_summary(results)
     assert s["prefetch_vs_floor"]["value"] == pytest.approx(1.0)          # 30 GB / 20 GB/s = 1.5 s
     assert "GroupPrefetch" in s["prefetch_vs_floor"]["bandwidth_source"][0]
+
+
+def test_dynamic_vram_baseline_reports_a_reason_instead_of_failing(tmp_path):
+    """bench/comfy_dynamic.py runs in its own process and always prints one LEVERS_JSON line."""
+    import torch
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "comfy_dynamic.py"), "--comfyui", str(tmp_path),
+                           "--model", "flux", "--budget-gib", "12", "--total-bytes", str(80 * 1024 ** 3)],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LEVERS_JSON "))
+    out = json.loads(line[len("LEVERS_JSON "):])
+    assert out["status"] == "skipped" and out["reason"]
+    assert out["budget_bytes"] == 12 * 1024 ** 3 and out["vram_headroom_bytes"] == 68 * 1024 ** 3
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in out["reason"]
+    else:
+        assert "not a ComfyUI checkout" in out["reason"]
