@@ -27,7 +27,7 @@ from comfyui_levers.core.client import ComfyClient, InputSpec, input_specs, ui_t
 EXAMPLES = ROOT / "example_workflows"
 FIXTURE = ROOT / "tests" / "fixtures" / "object_info_workflows.json"
 DOC = ROOT / "README.md"
-LEVERS_NODES = ("LeversRecommend", "LeversQuantizeDiT", "LeversPhaseOffload", "LeversGroupPrefetch",
+LEVERS_NODES = ("LeversRecommend", "LeversQuantizeDiT", "LeversLoadQuantizedDiT", "LeversPhaseOffload", "LeversGroupPrefetch",
                 "LeversTiledVAEDecode")
 
 # Where users get the files the graphs name (the frontend offers these downloads when missing).
