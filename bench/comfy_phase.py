@@ -189,34 +189,47 @@ def import_phase_bridge():
 # --------------------------------------------------------------------------------------------
 
 class Filler:
-    """Fast deterministic random fill: slices of one N(0, 1) pool, scaled per tensor kind.
+    """Fast deterministic random fill: each tensor is copied from slices of a pre-scaled N(0, 1) pool.
 
-    ``torch.randn`` for billions of elements is tens of seconds on a CPU; copying a pool is memcpy
-    speed. Weights ~ N(0, (0.5 / sqrt(fan_in))^2) keep activations O(1) through many blocks,
-    norm scales ~1, biases small. Statistical quality is irrelevant for timing and bit-equality.
+    ``torch.randn`` (or bf16 arithmetic) over billions of elements takes minutes on a CPU; copying
+    from a pool runs at memcpy speed. Weights ~ N(0, (0.5 / sqrt(fan_in))^2) keep activations O(1)
+    through many blocks, norm scales ~1, biases small. Pool reuse is irrelevant for timing and for
+    bit-equality between two flows on the same weights.
     """
 
     def __init__(self, seed: int, pool: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(pool, generator=g)
+        self.base = torch.randn(pool, generator=g)
         self.rng = random.Random(seed)
+        self.pools: dict[tuple, torch.Tensor] = {}
+
+    def _pool(self, kind: str, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (kind, fan_in, dtype)
+        if key not in self.pools:
+            if kind == "norm":
+                self.pools[key] = (self.base * 0.05 + 1.0).to(dtype)
+            elif kind == "bias":
+                self.pools[key] = (self.base * 0.02).to(dtype)
+            else:
+                self.pools[key] = (self.base * (0.5 / math.sqrt(max(1, fan_in)))).to(dtype)
+        return self.pools[key]
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape)
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name or leaf == "gamma" or (leaf == "weight" and len(shape) == 1):
+            pool = self._pool("norm", 0, dtype)
+        elif leaf == "bias" or len(shape) <= 1:
+            pool = self._pool("bias", 0, dtype)
+        else:
+            pool = self._pool("weight", math.prod(shape[1:]), dtype)
+        n, size = math.prod(shape), pool.numel()
         out = torch.empty(n, dtype=dtype)
-        pos, size = 0, self.pool.numel()
+        pos = 0
         while pos < n:
             off = self.rng.randrange(size)
             k = min(n - pos, size - off)
-            out[pos:pos + k].copy_(self.pool[off:off + k])
+            out[pos:pos + k].copy_(pool[off:off + k])
             pos += k
-        leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name or leaf == "gamma" or (leaf == "weight" and len(shape) == 1):
-            out.mul_(0.05).add_(1.0)
-        elif leaf == "bias" or len(shape) <= 1:
-            out.mul_(0.02)
-        else:
-            out.mul_(0.5 / math.sqrt(max(1, math.prod(shape[1:]))))
         return out.view(shape)
 
     def state_dict(self, module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -297,12 +310,53 @@ def umt5_state_dict(sc: Scale, fill: Filler, comfy_path: str) -> tuple[dict[str,
     return sd, overrides
 
 
-def save(sd: dict[str, torch.Tensor], path: Path) -> int:
-    from safetensors.torch import save_file
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
+
+def save(sd: dict[str, torch.Tensor], path: Path) -> int:
+    """Write ``sd`` as .safetensors; returns the bytes of its real parameters.
+
+    The format is an 8-byte header length, a JSON header, then the raw tensor bytes; writing the
+    bytes straight from each tensor avoids ``safetensors.torch.save_file``'s in-memory copy of the
+    whole file (half a minute for 7 GB on a busy CPU). Read back by ComfyUI's stock loaders.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(path))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    tensors, offset = [], 0
+    for name, t in sd.items():
+        t = t.detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        tensors.append(t)
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)              # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors:
+            f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
     return sum(t.numel() * t.element_size() for k, t in sd.items() if k not in ("spiece_model", XXL_PROBE))
+
+
+def estimated_file_bytes(sc: Scale) -> int:
+    """DiT + text encoder file sizes, from the widths alone (what ``scratch_dir`` must hold)."""
+    d, f, L = sc.dit_dim, sc.dit_ffn, sc.dit_layers
+    dit = L * (8 * d * d + 2 * d * f + 8 * d) + 4096 * d + d * d + 256 * d + 7 * d * d
+    inner = sc.te_heads * sc.te_d_kv
+    te = sc.te_layers * (4 * 4096 * inner + 3 * 4096 * sc.te_d_ff) + 10240 * 4096
+    return (dit + te) * (2 if sc.dtype != "fp32" else 4)
+
+
+def scratch_dir(sc: Scale) -> Path:
+    """A temporary models folder: RAM-backed /dev/shm when it has room (writing and re-reading
+    7 GB through a slow disk would cost more than the whole measurement), else the temp dir."""
+    need = int(estimated_file_bytes(sc) * 1.3) + GIB // 4
+    shm = Path("/dev/shm")
+    with contextlib.suppress(OSError):
+        if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * need:
+            return Path(tempfile.mkdtemp(prefix="levers_comfy_phase_", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="levers_comfy_phase_"))
 
 
 @contextlib.contextmanager
@@ -601,7 +655,8 @@ def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scal
             result["gpu"] = torch.cuda.get_device_name(dev)
             result["gpu_total_gib"] = _gib(torch.cuda.get_device_properties(dev).total_memory)
 
-        tmp = Path(tempfile.mkdtemp(prefix="levers_comfy_phase_"))
+        tmp = scratch_dir(sc)
+        result["scratch_dir"] = str(tmp)
         with model_folders(env.folder_paths, tmp):
             names, te_config = build_models(env, sc, tmp, result)
             clock.need(10, "loading the models")
