@@ -486,6 +486,52 @@ def _comfy_loaded(mm) -> list[dict[str, Any]]:
     return out
 
 
+class PeakMarks:
+    """Per-phase peak VRAM, split at ComfyUI's last release inside the phase.
+
+    ``comfy.model_management.free_memory`` is wrapped for the flow: after each call (ComfyUI's
+    load path, or PhaseOffload releasing the other components) the peak so far is folded into
+    ``before`` and the counter restarts. At the end of a phase, ``after`` is the peak since the
+    last release (this component + its activations + whatever ComfyUI chose to keep), and
+    ``max(before, after)`` the whole phase's peak, residue of the previous phase included.
+    """
+
+    def __init__(self, mm, device: torch.device) -> None:
+        self.mm, self.device, self.before, self._orig = mm, device, 0, None
+
+    def __enter__(self) -> "PeakMarks":
+        if self.device.type == "cuda":
+            orig = self._orig = self.mm.free_memory
+
+            def free_memory(*args, **kwargs):
+                out = orig(*args, **kwargs)
+                self.fold()
+                return out
+
+            self.mm.free_memory = free_memory
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._orig is not None:
+            self.mm.free_memory = self._orig
+            self._orig = None
+
+    def fold(self) -> None:
+        self.before = max(self.before, int(torch.cuda.max_memory_allocated(self.device)))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def start(self) -> None:
+        self.before = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def finish(self) -> tuple[int | None, int | None]:
+        if self.device.type != "cuda":
+            return None, None
+        after = int(torch.cuda.max_memory_allocated(self.device))
+        return max(self.before, after), after
+
+
 def generation(env, sc: Scale, device: torch.device, model, clip, vae, latent_shape: tuple[int, ...],
                group=None, seed: int = 0) -> tuple[dict[str, Any], torch.Tensor]:
     """CLIPTextEncode (x2) -> KSampler -> VAEDecode with ComfyUI's node code; per-phase numbers."""
@@ -515,13 +561,13 @@ def generation(env, sc: Scale, device: torch.device, model, clip, vae, latent_sh
         before = _loaded(patchers)
         n_rec = len(group.records) if group is not None else 0
         rec: dict[str, Any] = {"allocated_at_start_bytes": _mem(device)}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        rec["seconds"] = round(time.perf_counter() - t0, 4)
-        rec["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        with PeakMarks(mm, device) as marks:
+            marks.start()
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            rec["seconds"] = round(time.perf_counter() - t0, 4)
+            rec["peak_allocated_bytes"], rec["peak_after_release_bytes"] = marks.finish()
         rec["allocated_at_end_bytes"] = _mem(device)
         after = _loaded(patchers)
         rec["loaded_bytes_after"] = after

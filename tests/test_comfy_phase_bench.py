@@ -67,7 +67,7 @@ def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
         assert flow["images_shape"][-1] == 3 and flow["images_finite"]
         assert set(flow["phases"]) == {"encode", "sample", "decode"}
         for ph in flow["phases"].values():
-            assert ph["seconds"] > 0 and "peak_allocated_bytes" in ph
+            assert ph["seconds"] > 0 and "peak_allocated_bytes" in ph and "peak_after_release_bytes" in ph
         assert flow["total_s"] >= sum(ph["seconds"] for ph in flow["phases"].values()) * 0.99
     assert d["images_shape"] == p["images_shape"]
     assert res["bit_identical"] is True and res["max_abs_diff"] == 0.0
@@ -82,3 +82,72 @@ def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
     assert p["phases"]["decode"]["levers_ledger"]["released"] == ["diffusion_model"]
     assert p["bytes"]["d2h_bytes"] == 0
     assert "PhaseOffload" in p["report"]
+
+
+class _FakeCuda:
+    """Stands in for the few torch.cuda calls the CUDA-only helpers make (no GPU here)."""
+
+    def __init__(self, monkeypatch, total=100, active=0):
+        import torch
+
+        self.allocated, self.peak, self.active, self.fractions = 0, 0, active, []
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev=None: {"active_bytes.all.current": self.active,
+                                                                          "reserved_bytes.all.current": self.active + 3})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: type("P", (), {"total_memory": total}))
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, dev=None: self.fractions.append(f))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: 1.0, raising=False)
+
+    def reset(self, dev=None):
+        self.peak = self.allocated
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_peak_marks_split_a_phase_at_comfyuis_last_release(monkeypatch):
+    import torch
+
+    bench = _load_bench()
+    cuda = _FakeCuda(monkeypatch)
+    released = []
+
+    def free_memory(need, device, keep_loaded=()):
+        released.append(need)
+        cuda.allocated -= 70          # the previous phase's model leaves the card
+        return []
+
+    mm = type("MM", (), {})()
+    mm.free_memory = free_memory
+    cuda.alloc(70)                    # previous component still resident when the phase starts
+    with bench.PeakMarks(mm, torch.device("cuda", 0)) as marks:
+        marks.start()
+        assert mm.free_memory is not free_memory
+        mm.free_memory(1, "cuda")     # ComfyUI / PhaseOffload release before this phase loads
+        cuda.alloc(30)                # this component + activations
+        cuda.alloc(-10)
+        whole, after = marks.finish()
+    assert (whole, after) == (70, 30) and released == [1]
+    assert mm.free_memory is free_memory, "the wrapper is removed after the phase"
+
+
+def test_emulated_card_reports_the_budget_and_restores(monkeypatch):
+    import torch
+
+    bench = _load_bench()
+    cuda = _FakeCuda(monkeypatch, total=1000, active=150)
+    orig = lambda dev=None, torch_free_too=False: (999, 0) if torch_free_too else 999  # noqa: E731
+    mm = type("MM", (), {})()
+    mm.get_free_memory = orig
+    mm.get_torch_device = lambda: torch.device("cuda", 0)
+    dev = torch.device("cuda", 0)
+    with bench.emulated_card(mm, dev, 400):
+        assert mm.get_free_memory() == 250                           # budget - active
+        assert mm.get_free_memory(dev, torch_free_too=True) == (250, 3)
+        assert mm.get_free_memory(torch.device("cpu")) == 999       # other devices: ComfyUI's own answer
+        assert cuda.fractions == [0.4]
+    assert mm.get_free_memory is orig and cuda.fractions == [0.4, 1.0]
+    with bench.emulated_card(mm, torch.device("cpu"), 400):        # no budget on the CPU
+        assert mm.get_free_memory is orig
