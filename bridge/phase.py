@@ -657,8 +657,6 @@ class PhaseGroup:
             entry.comfyui_loaded_after = _loaded_size(patcher)
         self.publish()
 
-    _close_phase = close_phase
-
     def publish(self) -> dict[str, Any] | None:
         """The run as JSON in <output>/levers/, as text on the node and in the log; kept for ``latest_ledger``."""
         global _LATEST
