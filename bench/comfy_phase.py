@@ -704,7 +704,7 @@ def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scal
         tmp = scratch_dir(sc)
         result["scratch_dir"] = str(tmp)
         with model_folders(env.folder_paths, tmp):
-            names, te_config = build_models(env, sc, tmp, result)
+            names, te_config = build_models(env, sc, tmp, result, clock)
             clock.need(10, "loading the models")
             with torch.inference_mode():    # ComfyUI runs every prompt (loaders included) in inference mode
                 result["status"] = load_and_run(env, bridge, sc, dev, budget_gib, clock, tmp, result, names,
@@ -727,15 +727,17 @@ def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scal
     return result
 
 
-def build_models(env, sc: Scale, tmp: Path, result: dict[str, Any]) -> tuple[tuple[str, str, str], dict[str, Any]]:
+def build_models(env, sc: Scale, tmp: Path, result: dict[str, Any],
+                 clock: Clock) -> tuple[tuple[str, str, str], dict[str, Any]]:
     """Random-weight DiT, text encoder and VAE files under ``tmp`` (registered with folder_paths)."""
     t0 = time.perf_counter()
-    fill = Filler(seed=0, pool=(1 << 25) if sc.name == "gpu" else (1 << 20))
+    fill = Filler(seed=0, pool=(1 << 24) if sc.name == "gpu" else (1 << 20))
     unet_name, vae_name, te_name = "levers_bench_wan.safetensors", "levers_bench_wan_vae.safetensors", \
         "levers_bench_umt5.safetensors"
     sizes = result["sizes"]
     sizes["dit"] = save(wan_dit_state_dict(sc, fill), tmp / "diffusion_models" / unet_name)
     sizes["vae"] = save(wan_vae_state_dict(sc, fill), tmp / "vae" / vae_name)
+    clock.need(15 if sc.name == "gpu" else 3, "building the text encoder")
     te_sd, te_config = umt5_state_dict(sc, fill, env.path)
     result["notes"].append(f"text encoder: UMT5 with {sc.te_layers} blocks ({te_config}) loaded by comfy.sd.load_clip "
                            f"(what CLIPLoader type=wan calls) with model_options['umt5xxl_model_config']; the file "
@@ -819,12 +821,35 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
         result["bit_identical"] = bool(same and torch.equal(a.contiguous().view(torch.uint8),
                                                             b.contiguous().view(torch.uint8)))
         result["max_abs_diff"] = float((a.float() - b.float()).nan_to_num(0.0).abs().max()) if same else None
+    result["summary"] = summarize(result)
     if d.get("status") == "ok" and p.get("status") == "ok":
         result["reason"] = None
         return "ok"
     result["reason"] = "; ".join(f"{n}: {r.get('status')} ({r.get('reason')})" for n, r in
                                  (("default", d), ("phase_offload", p)) if r.get("status") != "ok") or "flow missing"
     return "partial"
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers a table needs, GiB and seconds, from both flows' records."""
+    d, p = result.get("default") or {}, result.get("phase_offload") or {}
+    out: dict[str, Any] = {"default_total_s": d.get("total_s"), "phase_offload_total_s": p.get("total_s"),
+                           "ratio_total_time": result.get("ratio_total_time"),
+                           "bit_identical": result.get("bit_identical"), "budget_gib": result.get("budget_gib"),
+                           "phases": {}}
+    for flow, key in ((d, "default"), (p, "phase_offload")):
+        b = flow.get("bytes") or {}
+        for k in ("h2d_bytes", "d2h_bytes", "swapped_bytes", "lowvram_streamed_estimate_bytes"):
+            if k in b:
+                out[f"{key}_{k.replace('_bytes', '_gib')}"] = _gib(b[k])
+        for ph, rec in (flow.get("phases") or {}).items():
+            row = out["phases"].setdefault(ph, {})
+            row[f"{key}_s"] = rec.get("seconds")
+            row[f"{key}_peak_gib"] = _gib(rec.get("peak_allocated_bytes"))
+            row[f"{key}_peak_after_release_gib"] = _gib(rec.get("peak_after_release_bytes"))
+    for ph, row in out["phases"].items():
+        _log(f"  {ph:7s} " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
