@@ -245,9 +245,9 @@ def install_quantized(module: nn.Module, quantized: dict[str, QuantizedWeight], 
 
     Each quantized Linear is replaced by ``make_layer(qweight, bias)`` (bias cast to the layer's dtype);
     every other tensor is assigned, cast to the dtype the module declared (what ``load_state_dict``'s
-    copy would do, without allocating the target first).
+    copy would do, without allocating the target first). ``tensors`` is consumed: each entry is removed
+    once cast, so the file-dtype copy is freed tensor by tensor (the caller must hold no other reference).
     """
-    tensors = dict(tensors)
     for name, qw in quantized.items():
         old = module.get_submodule(name)
         out_f, in_f = getattr(old, "out_features", None), getattr(old, "in_features", None)
@@ -262,7 +262,8 @@ def install_quantized(module: nn.Module, quantized: dict[str, QuantizedWeight], 
         setattr(module.get_submodule(parent) if parent else module, child, make_layer(qw, bias))
     declared = module.state_dict(keep_vars=True)
     cast = {}
-    for k, t in tensors.items():
+    for k in list(tensors):
+        t = tensors.pop(k)
         owner, _, attr = k.rpartition(".")
         target = declared.get(k)
         dtype = target.dtype if target is not None else None
@@ -272,6 +273,7 @@ def install_quantized(module: nn.Module, quantized: dict[str, QuantizedWeight], 
             except AttributeError:
                 dtype = None
         cast[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        del t
     missing, unexpected = module.load_state_dict(cast, strict=False, assign=True)
     if unexpected:
         log.warning("Load Quantized DiT: %d tensors in the file have no place in the model: %s", len(unexpected),
@@ -316,6 +318,37 @@ def load_quantized_dit(path: str, compute_dtype: str = "auto"):
     return patcher, format_report(info, patcher, how, notes)
 
 
+def _detection_inputs(info: QuantFileInfo):
+    """(state dict for ComfyUI's detection, {layer: QuantizedWeight}), the unet prefix stripped from both.
+
+    The state dict holds the kept tensors plus a shape-only stand-in (no memory) for each quantized weight.
+    """
+    import comfy.model_detection as md
+    import comfy.utils
+
+    plain, quantized = read_quantized(info)
+    for layer, qw in quantized.items():
+        plain[f"{layer}.weight"] = placeholder(qw.shape, qw.orig_dtype)
+    prefix = md.unet_prefix_from_state_dict(plain)
+    stripped = comfy.utils.state_dict_prefix_replace(plain, {prefix: ""}, filter_keys=True)
+    if stripped:  # a full checkpoint: only the diffusion model's keys, as ComfyUI's own loader does
+        return stripped, {l[len(prefix):]: q for l, q in quantized.items() if l.startswith(prefix)}
+    return plain, quantized
+
+
+def _unet_tensors(model_config, det: dict, quantized: dict, info: QuantFileInfo) -> dict:
+    """The kept tensors after the architecture's key conversion; quantized weights must come through unchanged."""
+    to_load = model_config.process_unet_state_dict(dict(det))
+    for layer in quantized:
+        key = f"{layer}.weight"
+        if to_load.get(key) is not det[key]:
+            raise IncompatibleInput("unet_name", "weights this architecture loads unchanged", info.path,
+                                    f"ComfyUI rewrites {key} while loading this architecture, so its quantized "
+                                    f"codes cannot be used as stored; quantize in the graph with QuantizeDiT instead")
+        del to_load[key]
+    return to_load
+
+
 def _load_levers(info: QuantFileInfo, dtype: torch.dtype | None):
     import comfy.model_detection as md
     import comfy.model_management as mm
@@ -325,16 +358,7 @@ def _load_levers(info: QuantFileInfo, dtype: torch.dtype | None):
     from .quant import ComfyQuantLinear
 
     notes = []
-    plain, quantized = read_quantized(info)
-    # detection input: the kept tensors + shape-only stand-ins for the quantized weights
-    det = dict(plain)
-    for layer, qw in quantized.items():
-        det[f"{layer}.weight"] = placeholder(qw.shape, qw.orig_dtype)
-    prefix = md.unet_prefix_from_state_dict(det)
-    stripped = comfy.utils.state_dict_prefix_replace(det, {prefix: ""}, filter_keys=True)
-    if stripped:
-        det = stripped
-        quantized = {l[len(prefix):]: q for l, q in quantized.items() if l.startswith(prefix)}
+    det, quantized = _detection_inputs(info)
     meta = {k: v for k, v in info.metadata.items() if k != "_quantization_metadata"}
     kwargs = {"metadata": meta} if "metadata" in inspect.signature(md.model_config_from_unet).parameters else {}
     model_config = md.model_config_from_unet(det, "", **kwargs)
@@ -352,26 +376,21 @@ def _load_levers(info: QuantFileInfo, dtype: torch.dtype | None):
     else:
         model_config.set_inference_dtype(unet_dtype, manual_cast)
 
-    to_load = model_config.process_unet_state_dict(dict(det))
-    for layer in quantized:  # the arch's key conversion must leave the quantized weights alone
-        key = f"{layer}.weight"
-        if to_load.get(key) is not det[key]:
-            raise IncompatibleInput("unet_name", "weights this architecture loads unchanged", info.path,
-                                    f"ComfyUI rewrites {key} while loading this architecture, so its quantized "
-                                    f"codes cannot be used as stored; quantize in the graph with QuantizeDiT instead")
-        del to_load[key]
-
     def make(qw, bias):
         return ComfyQuantLinear(qw, bias)
 
     model = model_config.get_model(det, "", device="meta")
+    to_load = _unet_tensors(model_config, det, quantized, info)
+    det = None  # to_load now holds the only references: install_quantized frees each after its cast
     left = install_quantized(model.diffusion_model, quantized, to_load, make)
-    if left:  # buffers computed at construction (not in the file): build on the CPU instead
+    if left:  # buffers computed at construction (not in the file): build on the CPU and read again
         notes.append(f"{len(left)} tensors are computed at construction ({', '.join(left[:3])}): model built on "
                      f"the CPU first")
+        det, quantized = _detection_inputs(info)
         model = model_config.get_model(det, "")
+        to_load = _unet_tensors(model_config, det, quantized, info)
+        det = None
         install_quantized(model.diffusion_model, quantized, to_load, make)
-    del det, to_load, plain
     model = model.to(offload_device)
     model.device = offload_device
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
