@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import json
-import struct
 import sys
 
 import pytest
