@@ -77,6 +77,62 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
     return 0
 
 
+@dataclass(frozen=True)
+class SplitLayout:
+    """Blocks split between ComfyUI and the engine: ComfyUI loads each block's tail modules
+    through its own load list (so its ledger counts them); the engine streams the heads."""
+
+    streamed: tuple[int, ...]          # indices of blocks with a non-empty head
+    head_modules: frozenset[int]       # ids of the modules whose tensors stream
+    tail_tensors: frozenset[int]       # ids of block tensors ComfyUI loads
+    streamed_bytes: int
+    cap: int
+
+
+def _own_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+
+
+def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitLayout | None:
+    """The smallest head cap whose layout fits: other + tails + (depth + 1) x cap <= budget.
+
+    A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
+    leading leaf modules (registration order) up to the cap; the tail is the rest. Streamed bytes
+    only grow with the cap, so the first cap that fits streams the fewest bytes."""
+    parts = []
+    for _, block in blocks:
+        fixed, leaves = 0, []
+        for m in block.modules():
+            own = _own_bytes(m)
+            if not own:
+                continue
+            has_children_params = any(True for c in m.children() for _ in c.parameters())
+            if has_children_params:
+                fixed += own
+            else:
+                leaves.append((m, own))
+        heads = [fixed]
+        for _, nbytes in leaves:
+            heads.append(heads[-1] + nbytes)
+        parts.append((block, fixed, leaves, heads))
+    total_blocks = sum(h[-1] for _, _, _, h in parts)
+    for cap in sorted({h for _, _, _, hs in parts for h in hs if h > 0}):
+        cuts = [max(k for k, h in enumerate(hs) if h <= cap) if hs[0] <= cap else 0 for _, _, _, hs in parts]
+        heads = [hs[k] for (_, _, _, hs), k in zip(parts, cuts)]
+        streamed = sum(heads)
+        if other_bytes + total_blocks - streamed + (depth + 1) * max(heads) > budget:
+            continue
+        head_mods, tails, idx = set(), set(), []
+        for b, ((block, fixed, leaves, _), k) in enumerate(zip(parts, cuts)):
+            if heads[b]:
+                idx.append(b)
+            head_mods.update(id(m) for m in block.modules() if _own_bytes(m) and not any(m is lm for lm, _ in leaves))
+            head_mods.update(id(m) for m, _ in leaves[:k])
+            tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
+        return SplitLayout(tuple(idx), frozenset(head_mods), frozenset(tails), streamed, cap)
+    return None
+
+
 class _Session:
     """One sampling run of one patcher: scoped overrides, the attached engine, the report."""
 
@@ -91,10 +147,21 @@ class _Session:
         total = module_bytes(self.root)
         other = total - sum(sizes)
         self.budget = self._budget(noise)
-        self.k = _resident_blocks(sizes, other, self.budget, state.request.config)
+        cfg = state.request.config
+        self.k = _resident_blocks(sizes, other, self.budget, cfg)
         self.streamed = self.layout.blocks[self.k:]
         self.streamed_bytes = sum(sizes[self.k:])
         self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
+        self.split: SplitLayout | None = None
+        if (cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
+                and not math.isinf(self.budget) and self.streamed):
+            depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+            split = _split_blocks(self.layout.blocks, other, self.budget, depth)
+            if split is not None and split.streamed_bytes < self.streamed_bytes:
+                self.split, self.k = split, 0
+                self.streamed = [self.layout.blocks[b] for b in split.streamed]
+                self.streamed_bytes = split.streamed_bytes
+                self.streamed_ids = set(split.head_modules)
         self._saved: dict[str, Any] = {}
 
     # budget ----------------------------------------------------------------------------------
@@ -154,7 +221,8 @@ class _Session:
             return
         for _, block in self.streamed:
             for m in block.modules():
-                wipe(m)
+                if id(m) in self.streamed_ids:
+                    wipe(m)
 
     def remove_load_overrides(self) -> None:
         for name, old in self._saved.items():
@@ -171,7 +239,8 @@ class _Session:
             self.skip_reason = "everything fits the budget: nothing to stream"
             return
         dev = self.patcher.load_device
-        on_device = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu"]
+        tails = self.split.tail_tensors if self.split is not None else frozenset()
+        on_device = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
         if on_device and torch.device(dev).type != "cpu":
             self.skip_reason = (f"ComfyUI already holds the streamed blocks on {dev} (loaded by another clone "
                                 f"of this model); streaming resumes after it is unloaded (Free model and node cache)")
@@ -187,11 +256,10 @@ class _Session:
             import comfy.model_management as mm
             if not mm.is_device_cpu(dev):
                 mm.free_memory(budget, dev)   # ask ComfyUI for the slots' room before taking it
-        user = self.state.request.config
-        # split blocks (resident tails, smaller slots) only when the resident part is ours to size:
-        # a fixed resident_groups or an unlimited budget means "stream exactly the other blocks"
-        split = user.partial_blocks and user.resident_groups == AUTO and budget != AUTO
-        cfg = replace(user, resident_groups=0, budget_bytes=budget, manage_resident=False, partial_blocks=split)
+        # ComfyUI holds the resident part (whole blocks, or the tails of split blocks) through its
+        # own load list; the engine streams exactly the rest, in whole-block (head) groups.
+        cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False,
+                      partial_blocks=False)
         layout = replace(self.layout, blocks=tuple(self.streamed))
         self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
                                            layout=layout)
@@ -201,21 +269,25 @@ class _Session:
         offload device (so they are backed up and undone by ComfyUI, and what streams is patched)."""
         p = self.patcher
         prefix = "diffusion_model."
+        tails = self.split.tail_tensors if self.split is not None else frozenset()
         for name, block in self.streamed:
-            for pname, _ in block.named_parameters():
+            for pname, param in block.named_parameters():
+                if id(param) in tails:
+                    continue   # ComfyUI loads (and patches) the tails itself
                 key = f"{prefix}{name}.{pname}"
                 if key in p.patches and key not in p.backup:
                     p.patch_weight_to_device(key, device_to=p.offload_device)
 
     def _store(self, transport: Transport) -> HostStore:
-        ids = tuple(id(b) for _, b in self.streamed)
+        tails = self.split.tail_tensors if self.split is not None else frozenset()
+        ids = (tuple(id(b) for _, b in self.streamed), tails)
         cached = _STORES.get(self.root)
         if cached is not None and cached[0] == ids:
             cached[1].refresh(transport)
             return cached[1]
         if cached is not None:
             cached[1].restore(transport)
-        store = HostStore(self.streamed, transport, pin=self.state.request.config.pin)
+        store = HostStore(self.streamed, transport, pin=self.state.request.config.pin, exclude=tails)
         _STORES[self.root] = (ids, store)
         return store
 
@@ -235,8 +307,11 @@ class _Session:
         return report
 
     def report(self) -> str:
-        head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; "
-                f"{self.k} kept loaded by ComfyUI, {len(self.streamed)} streamed ({_gb(self.streamed_bytes)}); "
+        kept = (f"{self.k} kept loaded by ComfyUI, {len(self.streamed)} streamed ({_gb(self.streamed_bytes)})"
+                if self.split is None else
+                f"split: ComfyUI loads each block's tail modules, {len(self.streamed)} blocks stream a head of at "
+                f"most {_gb(self.split.cap)} ({_gb(self.streamed_bytes)} in all)")
+        head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; {kept}; "
                 f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
         if self.skip_reason:
             return f"{head}\nnot streaming this run: {self.skip_reason}."

@@ -139,7 +139,12 @@ class HostStore:
     (ComfyUI patching a LoRA in, or loading the module elsewhere), re-staging only what changed.
     """
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True):
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
+                 exclude: frozenset[int] = frozenset()):
+        """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
+        them); they are neither streamed nor counted in this engine's budget."""
+        self.exclude = frozenset(exclude)
+        self.excluded_bytes = 0
         self.block_names = [n for n, _ in blocks]
         self.modules = [m for _, m in blocks]
         self.entries: list[_Entry] = []
@@ -165,13 +170,18 @@ class HostStore:
         for b, (_, block) in enumerate(blocks):
             for t in list(block.parameters()) + list(block.buffers()):
                 owners.setdefault(id(t), set()).add(b)
-        by_id: dict[int, _Entry] = {}
+        by_id: dict[int, _Entry | None] = {}
         cursor: dict[torch.dtype, int] = {}
         for b, (bname, block) in enumerate(blocks):
             for mname, mod in block.named_modules():
                 for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
                     for name, t in table.items():
                         if t is None:
+                            continue
+                        if id(t) in self.exclude:
+                            if id(t) not in by_id:
+                                self.excluded_bytes += tensor_nbytes(t)
+                                by_id[id(t)] = None
                             continue
                         ref = _Ref(mod, name, is_param)
                         full = f"{bname}.{mname + '.' if mname else ''}{name}"

@@ -116,3 +116,43 @@ def test_invalid_setting_names_the_field(comfy_env, tiny_wan):
 
     with pytest.raises(ConfigError, match="prefetch_depth"):
         _prefetch(comfy_env, tiny_wan.load_model(), prefetch_depth=0)
+
+
+def blocks_of(dm):
+    from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+    return [module_bytes(b) for _, b in find_blocks(dm).blocks]
+
+
+def test_split_blocks_comfyui_loads_the_tails_bit_identical(comfy_env, tiny_wan):
+    """Auto resident size under a budget of 75% of the model: each streamed block's tail modules
+    go through ComfyUI's own load list (its ledger counts them), only the heads stream, and the
+    output does not change."""
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]    # another instance: ComfyUI's ledger stays ours
+    dm = model.model.diffusion_model
+    total = module_bytes(dm)
+    budget = int(total * 0.75)
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1,
+                                vram_budget_gb=budget / 1024 ** 3)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    stats = state.last_stats
+    assert stats is not None, state.last_report
+    assert "split: ComfyUI loads each block's tail modules" in state.last_report, state.last_report
+    streamed = stats["streamed_bytes_per_forward"]
+    # ComfyUI's ledger holds the tails: what it loaded is everything but the streamed heads, to within
+    # the arena's alignment padding and the few non-leaf parameters ComfyUI's lowvram list never counts
+    assert abs(clone.loaded_size() - (total - streamed)) <= 8192, (clone.loaded_size(), total, streamed)
+    assert clone.loaded_size() > total - sum(blocks_of(dm))      # more than the non-block part: tails are in
+    assert stats["last_forward"]["h2d_bytes"] == streamed > 0
+    assert stats["last_forward"]["d2h_bytes"] == 0
+    # whole-block streaming at this budget would stream at least every block that does not fit
+    blocks = blocks_of(dm)
+    other = total - sum(blocks)
+    fits = 0
+    while fits < len(blocks) and other + sum(blocks[:fits + 1]) + 2 * max(blocks[fits + 1:] or [0]) <= budget:
+        fits += 1
+    assert streamed < sum(blocks[fits:])
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)                 # the cached store, again
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)                 # the original, untouched
