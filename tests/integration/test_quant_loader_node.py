@@ -150,3 +150,31 @@ def test_host_ram_peak_is_the_quantized_size(nodes, comfy_env):
     assert "Levers loader" in report
     assert rise < held + 0.15 * bf16, (rise, held, bf16)
     assert rise < 0.7 * bf16
+
+
+def test_full_checkpoint_from_levers_quantize(nodes, tiny_wan, comfy_env):
+    """`levers quantize` on a full checkpoint keeps the model.diffusion_model. prefix and other components."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_levers.core.quant import QuantConfig
+    from comfyui_levers.core.quant.checkpoint import quantize_file
+
+    _, load = nodes
+    folder = os.path.join(comfy_env.models_dir, "diffusion_models")
+    sd = load_file(os.path.join(folder, tiny_wan.unet_name))
+    full = {f"model.diffusion_model.{k}": v for k, v in sd.items()}
+    full["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4, 3, 3)  # a VAE tensor: ignored
+    paths = {}
+    for kind, data in (("bare", sd), ("full", full)):
+        src = os.path.join(folder, f"levers_ckpt_{kind}_src.safetensors")
+        paths[kind] = f"levers_ckpt_{kind}_int8.safetensors"
+        for p in (src, os.path.join(folder, paths[kind])):
+            if os.path.exists(p):
+                os.unlink(p)
+        save_file(data, src)
+        quantize_file(src, os.path.join(folder, paths[kind]), QuantConfig("int8"), arch="wan", measure=False)
+    bare = load.execute(paths["bare"]).result[0]
+    loaded, report = load.execute(paths["full"]).result
+    assert "Levers loader" in report
+    a, b = bare.model.diffusion_model.state_dict(), loaded.model.diffusion_model.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
