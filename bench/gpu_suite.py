@@ -796,10 +796,11 @@ class _ListHandler(logging.Handler):
 # the suite: results, deadlines, sections
 # --------------------------------------------------------------------------------------------
 
-SECTION_ORDER = ("bandwidth", "dit", "dynamic", "phase", "quant", "vae", "recommend")
+SECTION_ORDER = ("bandwidth", "dit", "dynamic", "phase", "comfy_phase", "quant", "vae", "recommend")
 # Seconds each section may start new cases for (full run). The dit section also leaves time for
 # the sections after it. Sum + imports stays under ~6.5 minutes.
-SECTION_SECONDS = {"bandwidth": 20, "dit": 260, "dynamic": 110, "phase": 25, "quant": 40, "vae": 30, "recommend": 10}
+SECTION_SECONDS = {"bandwidth": 20, "dit": 260, "dynamic": 110, "phase": 25, "comfy_phase": 120, "quant": 40, "vae": 30,
+                   "recommend": 10}
 
 
 def source_fingerprint() -> str:
@@ -1691,6 +1692,31 @@ def fp8_modes(q, lin, x, ref, dev, warmup: int, reps: int, bf16_ms: float) -> di
 
 
 # --------------------------------------------------------------------------------------------
+# PhaseOffload inside a real ComfyUI (text encoder, DiT, VAE through the stock loaders and nodes)
+# --------------------------------------------------------------------------------------------
+
+def sec_comfy_phase(suite: Suite, sec: dict, deadline: float) -> None:
+    if suite.device.type != "cuda" and not suite.smoke:
+        raise Skip("no CUDA device: PhaseOffload-in-ComfyUI needs a GPU (--smoke runs it on the CPU)")
+    if not suite.args.comfyui:
+        raise Skip("no --comfyui PATH")
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    import comfy_phase
+    scale = "gpu" if suite.device.type == "cuda" and not suite.smoke else "cpu"
+    res = comfy_phase.run_phase_bench(suite.args.comfyui, str(suite.device), None, scale=scale,
+                                      deadline_s=max(10.0, deadline - time.monotonic()), out_dir=str(suite.out))
+    sec["results"] = res
+    log(f"  PhaseOffload in ComfyUI: {res.get('status')}, total time phase/default "
+        f"{res.get('ratio_total_time')}, bit-identical {res.get('bit_identical')}"
+        + (f" ({str(res.get('reason'))[:200]})" if res.get("reason") else ""))
+    if res["status"] == "skipped":
+        raise Skip(res["reason"])
+    if res["status"] != "ok":
+        sec.update(status="partial" if res["status"] == "partial" else "failed", reason=res.get("reason"))
+
+
+# --------------------------------------------------------------------------------------------
 # ComfyUI's DynamicVRAM at the same budgets (its own process per case: bench/comfy_dynamic.py)
 # --------------------------------------------------------------------------------------------
 
@@ -2089,6 +2115,14 @@ def build_summary(results: dict) -> dict[str, Any]:
     summary["prefetch_vs_comfy"] = _metric(rnd(worst, 3), comfy_reason, "<= 0.77 (>= 1.3x faster)",
                                            None if worst is None else worst <= 1 / 1.3, by_case=by_case,
                                            definition="worst case of Levers s/step / ComfyUI s/step at the same budget")
+    cp = (results.get("sections", {}).get("comfy_phase", {}) or {}).get("results") or {}
+    ratio = cp.get("ratio_total_time")
+    summary["phase_in_comfy_time_vs_default"] = _metric(
+        rnd(ratio, 3) if ratio is not None else None,
+        _section_reason(results, "comfy_phase") or cp.get("reason") or "not measured", "<= 1.0",
+        None if ratio is None else ratio <= 1.0, bit_identical=cp.get("bit_identical"),
+        definition="seconds per generation (encode + sample + decode) through PhaseOffload / ComfyUI's default "
+                   "flow, same graph, same emulated budget, inside ComfyUI")
     dyn = results.get("sections", {}).get("dynamic", {})
     dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
     dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)
@@ -2274,6 +2308,21 @@ def render_markdown(results: dict) -> str:
             lines.append(f"| {v.get('tile_px')} | {v.get('tiles')} | {_fmt(gb(v.get('untiled_peak_bytes')), 3)} | "
                          f"{_fmt(gb(v.get('tiled_peak_bytes')), 3)} | {_fmt(v.get('peak_ratio'))} | "
                          f"{_fmt(v.get('untiled_s'), 3)} | {_fmt(v.get('tiled_s'), 3)} | {_fmt(v.get('psnr_db'), 1)} |")
+    cps = ((results.get("sections", {}).get("comfy_phase", {}) or {}).get("results") or {}).get("summary") or {}
+    if cps.get("phases"):
+        lines += ["", "## PhaseOffload inside ComfyUI vs ComfyUI's default flow", "",
+                  f"- seconds per generation: default {_fmt(cps.get('default_total_s'), 3)}, PhaseOffload "
+                  f"{_fmt(cps.get('phase_offload_total_s'), 3)} (ratio {_fmt(cps.get('ratio_total_time'))}); "
+                  f"bit-identical {_fmt(cps.get('bit_identical'))}; budget {_fmt(cps.get('budget_gib'))} GiB",
+                  f"- host->device GiB: default {_fmt(cps.get('default_h2d_gib'))} (estimate), PhaseOffload "
+                  f"{_fmt(cps.get('phase_offload_h2d_gib'))}; device->host GiB: default {_fmt(cps.get('default_d2h_gib'))} "
+                  f"(estimate), PhaseOffload {_fmt(cps.get('phase_offload_d2h_gib'))}", "",
+                  "| phase | default s | PhaseOffload s | default peak GiB | PhaseOffload peak GiB | PhaseOffload peak after release GiB |",
+                  "|---|---|---|---|---|---|"]
+        for name, ph in cps["phases"].items():
+            lines.append(f"| {name} | {_fmt(ph.get('default_s'), 3)} | {_fmt(ph.get('phase_offload_s'), 3)} | "
+                         f"{_fmt(ph.get('default_peak_gib'))} | {_fmt(ph.get('phase_offload_peak_gib'))} | "
+                         f"{_fmt(ph.get('phase_offload_peak_after_release_gib'))} |")
     dyn = results.get("sections", {}).get("dynamic", {})
     if dyn.get("cases"):
         lines += ["", "## ComfyUI DynamicVRAM at the same budgets", "", dyn.get("note", ""), "",
@@ -2357,7 +2406,8 @@ def render_plot(results: dict, path: Path) -> str | None:
 # main
 # --------------------------------------------------------------------------------------------
 
-SECTIONS = {"bandwidth": sec_bandwidth, "dit": sec_dit, "dynamic": sec_dynamic, "phase": sec_phase, "quant": sec_quant, "vae": sec_vae,
+SECTIONS = {"bandwidth": sec_bandwidth, "dit": sec_dit, "dynamic": sec_dynamic, "phase": sec_phase,
+            "comfy_phase": sec_comfy_phase, "quant": sec_quant, "vae": sec_vae,
             "recommend": sec_recommend}
 
 

@@ -105,7 +105,7 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
     d = _run_suite(tmp_path, "--smoke", "--models", "flux")
     assert d["smoke"] is True and d["schema"].startswith("levers-gpu-suite/")
     assert "commit" in d["git"] and d["machine"]["torch"]
-    assert set(d["sections"]) == {"bandwidth", "dit", "dynamic", "phase", "quant", "vae", "recommend"}
+    assert set(d["sections"]) == {"bandwidth", "dit", "dynamic", "phase", "comfy_phase", "quant", "vae", "recommend"}
     for name, sec in d["sections"].items():
         assert sec["status"] in ("ok", "skipped"), (name, sec.get("reason"), sec.get("traceback"))
         if sec["status"] == "skipped":
