@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -884,6 +885,8 @@ class Suite:
         self.device = torch.device("cuda", 0) if cuda_ok() and not args.cpu else torch.device("cpu")
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        # files other processes of the suite read (reference outputs), kept out of the results folder
+        self.scratch = Path(tempfile.mkdtemp(prefix="levers-suite-"))
         self.t0 = time.monotonic()
         self.deadline = T_PROCESS + args.time_budget
         self.current = "startup"
@@ -1303,8 +1306,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         run_resident(r, None)
         ref["s_per_step"] = r["s_per_step"]
         if ref["out"] is not None:      # for engines timed in other processes (the dynamic section)
-            (suite.out / "refs").mkdir(exist_ok=True)
-            torch.save(ref["out"], suite.out / "refs" / f"{spec.name}.pt")
+            torch.save(ref["out"], suite.scratch / f"ref-{spec.name}.pt")
         if r["peak_allocated_bytes"] is not None:
             ref["act_peak"] = r["peak_allocated_bytes"] - host.nbytes
         r.update({"note": "unbudgeted: the compute floor and the reference output",
@@ -1705,7 +1707,7 @@ def sec_comfy_phase(suite: Suite, sec: dict, deadline: float) -> None:
     import comfy_phase
     scale = "gpu" if suite.device.type == "cuda" and not suite.smoke else "cpu"
     res = comfy_phase.run_phase_bench(suite.args.comfyui, str(suite.device), None, scale=scale,
-                                      deadline_s=max(10.0, deadline - time.monotonic()), out_dir=str(suite.out))
+                                      deadline_s=max(10.0, deadline - time.monotonic()), out_dir=str(suite.scratch))
     sec["results"] = res
     log(f"  PhaseOffload in ComfyUI: {res.get('status')}, total time phase/default "
         f"{res.get('ratio_total_time')}, bit-identical {res.get('bit_identical')}"
@@ -1747,7 +1749,7 @@ def sec_dynamic(suite: Suite, sec: dict, deadline: float) -> None:
             continue
         cmd = [sys.executable, str(ROOT / "bench" / "comfy_dynamic.py"), "--comfyui", str(path), "--model", model,
                "--budget-gib", gib, "--total-bytes", str(total), "--seconds", f"{max(5.0, min(40.0, left - 25)):.0f}"]
-        ref = suite.out / "refs" / f"{model}.pt"
+        ref = suite.scratch / f"ref-{model}.pt"
         if ref.is_file():
             cmd += ["--ref", str(ref)]
         if suite.smoke:

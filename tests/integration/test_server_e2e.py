@@ -31,7 +31,7 @@ from comfyui_levers.core import client as C  # noqa: E402
 ROOT = HERE.parents[1]
 API_DIR = ROOT / "example_workflows" / "api"
 LEVERS_NODES = ("LeversRecommend", "LeversQuantizeDiT", "LeversPhaseOffload", "LeversGroupPrefetch",
-                "LeversTiledVAEDecode")
+                "LeversTiledVAEDecode", "LeversLoadQuantizedDiT")
 UNET = "levers_e2e_wan21.safetensors"
 VAE = "levers_e2e_wan21_vae.safetensors"
 WIDTH = HEIGHT = 64
