@@ -4,8 +4,8 @@ Pure torch: ``plan`` picks whole / temporal / spatial from measured costs, ``lay
 and builds blend weights that sum to 1, ``decode`` runs them with whole-image statistics kept
 global, ``memory`` measures peaks. The ComfyUI side is ``bridge/vae.py``.
 """
-from .decode import (DecodeStats, StagedDecoder, collect_tail_stats, decode_spatial, decode_temporal,
-                     decode_whole, measure_halo, run_stem)
+from .decode import (DecodeStats, StagedDecoder, collect_tail_stats, decode_spatial, decode_streamed,
+                     decode_temporal, decode_whole, measure_halo, run_stem)
 from .layout import Span, TileGrid, axis_weights, layout_axis, make_grid
 from .memory import PeakMeasurement, measure_peak_bytes
 from .overrides import GroupNormPatch, GroupNormStats, override_forwards, pass_through, persistent_cache
@@ -13,7 +13,7 @@ from .plan import DecodeCost, TilePlan, plan_decode
 
 __all__ = [
     "DecodeCost", "DecodeStats", "GroupNormPatch", "GroupNormStats", "PeakMeasurement", "Span", "StagedDecoder",
-    "TileGrid", "TilePlan", "axis_weights", "collect_tail_stats", "decode_spatial", "decode_temporal",
+    "TileGrid", "TilePlan", "axis_weights", "collect_tail_stats", "decode_spatial", "decode_streamed", "decode_temporal",
     "decode_whole", "layout_axis", "make_grid", "measure_halo", "measure_peak_bytes", "override_forwards",
     "pass_through", "persistent_cache", "plan_decode", "run_stem",
 ]

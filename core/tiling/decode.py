@@ -51,6 +51,8 @@ class StagedDecoder:
     output is the stem output. tail: modules after it (skipped in the stem run).
     cache_module / cache_kwarg / new_cache: for a causal video decoder, the module that receives
     the feature cache as a keyword argument and a factory for an empty cache.
+    first_call_kwarg: a flag ``run`` passes to ``cache_module`` on its first call only (Wan 2.2's
+    ``first_chunk``); chunked runs set it on the first call of the video, not of each chunk.
     """
 
     run: Callable[[torch.Tensor], torch.Tensor]
@@ -60,6 +62,7 @@ class StagedDecoder:
     cache_module: nn.Module | None = None
     cache_kwarg: str = "feat_cache"
     new_cache: Callable[[], list] | None = None
+    first_call_kwarg: str | None = None
     tail_norms: list[nn.GroupNorm] = field(default_factory=list)
 
     def __post_init__(self):
@@ -155,7 +158,8 @@ class _TailRunner:
     def run(self, dummy: torch.Tensor, cache: list | None = None) -> torch.Tensor:
         self.norms.reset()
         if cache is not None and self.staged.cache_module is not None:
-            with persistent_cache(self.staged.cache_module, self.staged.cache_kwarg, cache):
+            with persistent_cache(self.staged.cache_module, self.staged.cache_kwarg, cache,
+                                  self.staged.first_call_kwarg):
                 return self.staged.run(dummy)
         return self.staged.run(dummy)
 
@@ -313,12 +317,51 @@ def decode_temporal(staged: StagedDecoder, latent: torch.Tensor, chunk_frames: i
         for s in chunks:
             if interrupt is not None:
                 interrupt()
-            with torch.inference_mode(), persistent_cache(staged.cache_module, staged.cache_kwarg, cache):
+            with torch.inference_mode(), persistent_cache(staged.cache_module, staged.cache_kwarg, cache,
+                                                          staged.first_call_kwarg):
                 pieces.append(staged.run(latent[bi:bi + 1, :, s:s + chunk_frames]).to(output_device, torch.float32))
             done += 1
             _emit(progress, done, total)
         per_sample.append(torch.cat(pieces, 2))
     return torch.cat(per_sample, 0)
+
+
+def decode_streamed(run: Callable[[torch.Tensor], torch.Tensor], call_module: nn.Module, latent: torch.Tensor,
+                    output_device: torch.device | str = "cpu", progress: Progress | None = None,
+                    interrupt: Interrupt | None = None, total_frames: int | None = None) -> torch.Tensor:
+    """The model's own decode, one sample at a time, with each call of ``call_module`` leaving the device.
+
+    For a causal video decoder whose ``decode`` already walks the frames in chunks of its own
+    choosing and carries the feature cache between them (ComfyUI 0.33's Wan 2.1: the first latent
+    frame, then pairs), the exact temporal chunks are those calls. Running ``decode`` unchanged keeps
+    the chunk boundaries and the cache exactly the model's; what changes is that each call's frames
+    (a tensor or a list of tensors, [B, C, T_call, H, W]) move to ``output_device`` as soon as the
+    call returns, so the device holds one call's activations and frames, not the whole video.
+    ``interrupt`` runs before each call; ``progress`` counts output frames of ``total_frames``.
+    Returns float32 [B, C, T_out, H, W] on ``output_device``.
+    """
+    state = {"frames": 0}
+    total = (total_frames or 0) * latent.shape[0]
+    original = call_module.forward
+
+    def move(t):
+        return t.to(output_device) if isinstance(t, torch.Tensor) else t
+
+    def forward(*args, **kwargs):
+        if interrupt is not None:
+            interrupt()
+        out = original(*args, **kwargs)
+        pieces = out if isinstance(out, (list, tuple)) else [out]
+        state["frames"] += sum(p.shape[2] for p in pieces if isinstance(p, torch.Tensor) and p.ndim == 5)
+        if total:
+            _emit(progress, min(state["frames"], total), total)
+        return type(out)(move(p) for p in out) if isinstance(out, (list, tuple)) else move(out)
+
+    outs = []
+    with torch.inference_mode(), override_forwards({call_module: forward}):
+        for bi in range(latent.shape[0]):
+            outs.append(run(latent[bi:bi + 1]).to(output_device, torch.float32))
+    return torch.cat(outs, 0)
 
 
 STATS_METHODS = ("tiles", "windows", "exact")

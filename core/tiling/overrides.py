@@ -249,16 +249,21 @@ def find_group_norms(modules: list[nn.Module]) -> list[nn.GroupNorm]:
 
 
 @contextlib.contextmanager
-def persistent_cache(module: nn.Module, kwarg: str, cache: list) -> Iterator[list]:
+def persistent_cache(module: nn.Module, kwarg: str, cache: list, first_kwarg: str | None = None) -> Iterator[list]:
     """Make every call of ``module`` use ``cache`` for keyword ``kwarg`` (a causal feature cache).
 
     A causal video decoder's ``decode`` builds a fresh cache per call; substituting one list that
     outlives the call lets consecutive chunks continue exactly where the previous chunk stopped.
+    ``first_kwarg`` names a flag the model's ``decode`` sets on its own first call (Wan 2.2's
+    ``first_chunk``); it is set here only while the cache is still empty, i.e. on the first call
+    of the whole video, not on the first call of every chunk.
     """
     original = module.forward
 
     def forward(*args, **kwargs):
         kwargs[kwarg] = cache
+        if first_kwarg is not None:
+            kwargs[first_kwarg] = all(entry is None for entry in cache)
         return original(*args, **kwargs)
 
     with override_forwards({module: forward}):
