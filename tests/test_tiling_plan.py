@@ -106,3 +106,12 @@ def test_auto_overlap_is_clamped_below_a_small_user_tile():
     p = plan_decode((1, 4, 64, 64), 8, cost, 2**40, halo_px=40.0, tile=4)   # auto overlap would be 81px > 32px tile
     assert p.tile == (4, 4) and 0 < p.overlap < 4
     assert "clamped" in p.reason and not p.exact
+
+
+def test_overlap_only_counts_along_the_axis_that_is_cut():
+    """A wide frame whose height fits one tile: the overlap may exceed the height, not the tile width."""
+    p = plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, halo_px=196.0, tile=32, overlap=25)
+    assert p.mode == "spatial" and p.tile == (8, 32) and p.overlap == 25 and p.exact
+    assert len(make_grid(8, 36, p.tile, p.overlap, 16)) == 2
+    with pytest.raises(ConfigError, match="overlap"):
+        plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, tile=32, overlap=32)

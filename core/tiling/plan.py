@@ -60,13 +60,15 @@ def _check_int(name: str, value, minimum: int) -> int:
 def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, budget_bytes: int, *,
                 halo_px: float = 0.0, tile: int | None = None, overlap: int | None = None,
                 chunk_frames: int | None = None, align: int = 1, spatial_supported: bool = True,
-                temporal_supported: bool = False, out_frames: int | None = None) -> TilePlan:
+                temporal_supported: bool = False, out_frames: int | None = None,
+                auto_chunk_frames: int = 1) -> TilePlan:
     """Choose the cheapest decode that fits ``budget_bytes``.
 
     latent_shape: [B, C, H, W] or [B, C, T, H, W]. scale: output px per latent px.
     halo_px: the tail's receptive-field radius in output px (context a tile needs to be exact).
     tile / overlap: user sizes in latent units (None = auto). chunk_frames: latent frames per
-    temporal chunk (None = auto). out_frames: decoded frames for a video latent (None = T).
+    temporal chunk (None = auto: ``auto_chunk_frames``, the smallest chunk the decoder can run
+    exactly). out_frames: decoded frames for a video latent (None = T).
     Auto never tiles when the whole decode fits.
     """
     if len(latent_shape) not in (4, 5):
@@ -82,6 +84,7 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         overlap = _check_int("overlap", overlap, 0)
     if chunk_frames is not None:
         chunk_frames = _check_int("temporal_size", chunk_frames, 1)
+    auto_chunk_frames = _check_int("auto_chunk_frames", auto_chunk_frames, 1)
     frame_px = h * w * scale * scale
     video = len(latent_shape) == 5
     n_out = int(out_frames) if out_frames else t
@@ -100,7 +103,7 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
             return TilePlan("whole", b, None, 0, None, whole_peak(b), budget,
                             "the whole decode fits the budget: no tiling (identical to VAEDecode)")
         if video and temporal_supported and tile is None:
-            cf = chunk_frames or 1
+            cf = chunk_frames or auto_chunk_frames
             if chunk_peak(cf) <= budget or not spatial_supported:
                 return TilePlan("temporal", 1, None, 0, cf, chunk_peak(cf), budget,
                                 "the whole video does not fit or chunks were asked for: decoding in temporal "
@@ -122,7 +125,7 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
 
     min_overlap = math.ceil((2 * halo_px + 1) / scale) if halo_px > 0 else 0
     ov = min_overlap if overlap is None else overlap
-    cf = (chunk_frames or 1) if video else None
+    cf = (chunk_frames or auto_chunk_frames) if video else None
     stored = cost.stored_bytes_per_px * frame_px * (t if video else 1)
     stem_peak = cost.stem_bytes_per_px * frame_px
 
@@ -132,13 +135,15 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
 
     if tile is not None:
         tt = (min(tile, h), min(tile, w))
+        # the overlap only applies along an axis the tile does not cover (a wide frame may be cut in width only)
+        cut = min(x for x, n in zip(tt, (h, w)) if x < n)
         clamped = ""
-        if overlap is None and ov >= min(tt):
+        if overlap is None and ov >= cut:
             # auto overlap (2 x the receptive field) does not fit a tile this small: use half a tile
-            ov = max(0, min(tt) // 2)
+            ov = max(0, cut // 2)
             clamped = f"; auto overlap clamped to {ov * scale}px (half a tile)"
-        if ov >= min(tt):
-            raise ConfigError("overlap", ov * scale, f"less than tile_size ({min(tt) * scale}px)",
+        if ov >= cut:
+            raise ConfigError("overlap", ov * scale, f"less than tile_size ({cut * scale}px)",
                               "Lower the overlap or raise tile_size.")
         exact = ov >= min_overlap
         why = "tile_size given" + ("" if exact else
