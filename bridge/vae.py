@@ -3,13 +3,16 @@
 Only this module touches ComfyUI (``comfy.sd.VAE``, ``comfy.model_management``, ``comfy.utils``).
 Supported seamless paths, detected from the model's modules rather than ComfyUI's version:
   * KL decoders (SD 1.x/2.x, SDXL, SD3, Flux, Flux 2): ``comfy.ldm.modules.diffusionmodules.model.Decoder``;
-  * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``): causal, temporal chunks + spatial tiles.
+  * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) and Wan 2.2 VAE (``comfy.ldm.wan.vae2_2.WanVAE``): causal,
+    temporal chunks with the feature cache carried + spatial tiles. ComfyUI 0.33's Wan 2.1 decoder walks the
+    frames in its own chunks (first frame, then pairs); its temporal chunks are those calls (``decode_streamed``).
 Any other VAE decodes whole when it fits (ComfyUI's own ``vae.decode``), otherwise the report
 says to use ComfyUI's VAEDecodeTiled.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -18,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import ConfigError, IncompatibleInput
-from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_temporal,
-                           measure_halo, measure_peak_bytes, plan_decode, run_stem)
+from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_streamed,
+                           decode_temporal, measure_halo, measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.overrides import override_forwards
 from .inputs import require_vae
@@ -72,10 +75,10 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
     if fsm is None:
         return None, "VAE has no first_stage_model"
     dec = getattr(fsm, "decoder", None)
-    mod = type(fsm).__module__
-    if dec is not None and mod.endswith("wan.vae") and type(fsm).__name__ == "WanVAE" \
-            and all(hasattr(dec, a) for a in ("conv1", "middle", "upsamples", "head")):
-        return _wan21(fsm, dec), "Wan 2.1 VAE: middle block (attention) whole, upsampling stages tiled"
+    if _is_wan_decoder(fsm, dec):
+        staged = _wan(fsm, dec)
+        name = "Wan 2.2 VAE" if staged.first_call_kwarg else "Wan 2.1 VAE"
+        return staged, f"{name}: middle block (attention) whole, upsampling stages tiled, causal cache carried"
     if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
         if not isinstance(getattr(dec.conv_in, "weight", None), torch.Tensor) or dec.conv_in.weight.ndim != 4:
             return None, f"{type(dec).__name__} is a 3-D (video) KL decoder: not supported for seamless tiling"
@@ -114,19 +117,35 @@ def _kl(fsm, dec) -> StagedDecoder:
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
 
 
-def _wan21(fsm, dec) -> StagedDecoder:
+def _is_wan_decoder(fsm, dec) -> bool:
+    """Wan's causal 3-D decoder (2.1 and 2.2), by its shape: conv1 -> middle (res, attention, res) ->
+    upsamples -> head, called with a ``feat_cache`` list, and a 1x1x1 ``conv2`` before it."""
+    if dec is None or not all(hasattr(dec, a) for a in ("conv1", "middle", "upsamples", "head")):
+        return False
+    if not isinstance(getattr(fsm, "conv2", None), torch.nn.Module) or len(dec.middle) != 3:
+        return False
+    return "feat_cache" in inspect.signature(dec.forward).parameters
+
+
+def _wan(fsm, dec) -> StagedDecoder:
+    """Wan 2.1 / 2.2: the stem is conv2, conv1 and the middle block up to its last residual block (the
+    attention runs per frame on the whole image); the tail is the upsampling stages and the head, whose
+    norms are per-pixel RMS norms. Wan 2.2's decoder also takes ``first_chunk`` (its shortcut drops the
+    padded frame on the video's first call)."""
     n_cache = sum(1 for _ in dec.modules()) + 8     # longer than any index the decoder uses
-    stem = [m for m in (getattr(fsm, "conv2", None),) if isinstance(m, torch.nn.Module)]
-    stem += [dec.conv1, dec.middle[0], dec.middle[1]]
+    first = "first_chunk" if "first_chunk" in inspect.signature(dec.forward).parameters else None
+    stem = [fsm.conv2, dec.conv1, dec.middle[0], dec.middle[1]]
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=dec.middle[2], tail=list(dec.upsamples) + list(dec.head),
-                         cache_module=dec, cache_kwarg="feat_cache", new_cache=lambda: [None] * n_cache)
+                         cache_module=dec, cache_kwarg="feat_cache", new_cache=lambda: [None] * n_cache,
+                         first_call_kwarg=first)
 
 
 def _pairs_frames(vae) -> bool:
     """True for the Wan decoder that decodes latent frames in pairs (ComfyUI 0.33+, ``Decoder3d.run_up``).
 
-    Its causal cache keeps only the frames of the last call, so chunks must follow its own schedule;
-    until the chunked path drives that schedule, temporal chunks are off for it.
+    Its causal cache keeps only the frames of the last call (2 frames per cached layer), so chunks of
+    1 latent frame lose context; exact chunks are its own calls (the first frame, then pairs), which
+    ``decode_streamed`` runs unchanged while moving each call's frames off the device.
     """
     dec = getattr(getattr(vae, "first_stage_model", None), "decoder", None)
     return dec is not None and hasattr(dec, "run_up")
@@ -153,7 +172,7 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tup
     ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
     probe = latent[:1, ..., :ph, :pw]
     if probe.ndim == 5:
-        probe = probe[:, :, :2]
+        probe = probe[:, :, :3 if _pairs_frames(vae) else 2]    # 0.33 Wan: frame 0, then one pair call
     probe = probe.to(dev, vae.vae_dtype)
     frame_px = ph * pw * s * s
     with torch.inference_mode():
@@ -247,16 +266,23 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     overlap = settings.overlap or (plan_tiling.overlap_px if plan_tiling is not None else 0)
     tsize = settings.temporal_size or ((plan_tiling.temporal_frames or 0) if plan_tiling is not None else 0)
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
+    pairs = video and staged is not None and staged.causal and _pairs_frames(vae)
+    chunk_frames = max(1, tsize // t_compress) if (tsize and video) else None
+    if pairs and chunk_frames is not None:
+        chunk_frames = 2        # the decoder's own calls; other sizes would cut its cache
     cost, halo_px, method = measure_cost(vae, staged, samples)
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
             f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px; tail receptive field {halo_px:.0f} px")
     plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
                        tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
-                       chunk_frames=max(1, tsize // t_compress) if (tsize and video) else None,
-                       spatial_supported=staged is not None,
-                       temporal_supported=staged is not None and staged.causal and not _pairs_frames(vae),
-                       out_frames=_out_frames(vae, samples.shape[2]) if video else None)
-    if video and plan.mode == "spatial" and staged is not None and staged.causal and _pairs_frames(vae):
+                       chunk_frames=chunk_frames, spatial_supported=staged is not None,
+                       temporal_supported=staged is not None and staged.causal,
+                       out_frames=_out_frames(vae, samples.shape[2]) if video else None,
+                       auto_chunk_frames=2 if pairs else 1)
+    if plan.mode == "temporal" and pairs:
+        rep.add("Wan decoder decodes frame pairs (ComfyUI 0.33+): chunks are its own calls (latent frame 0, then "
+                "pairs), run unchanged with the causal cache it carries; each call's frames leave the device")
+    if plan.mode == "spatial" and pairs:
         # ComfyUI 0.33+ Wan decoder: after the first call it decodes 2 latent frames per call and caches only
         # what a call saw, so our 1-frame chunks would lose context; one native decode call per tile is exact.
         plan = dataclasses.replace(plan, chunk_frames=samples.shape[2])
@@ -287,7 +313,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                 outs.append(vae.decode(samples[i:i + plan.batch_per_pass]))      # ComfyUI's own path
                 progress(min(i + plan.batch_per_pass, samples.shape[0]), samples.shape[0])
             return torch.cat(outs, 0)
-        if plan.mode == "temporal":
+        if plan.mode == "temporal" and pairs:
+            out = decode_streamed(staged.run, staged.cache_module, latent, vae.output_device, progress, interrupt,
+                                  total_frames=_out_frames(vae, samples.shape[2]))
+        elif plan.mode == "temporal":
             out = decode_temporal(staged, latent, plan.chunk_frames, vae.output_device, progress, interrupt)
         else:
             method, passes = STATS_CHOICES[settings.stats]
