@@ -13,7 +13,7 @@ from .plan import DecodeCost, TilePlan, plan_decode
 
 __all__ = [
     "DecodeCost", "DecodeStats", "GroupNormPatch", "GroupNormStats", "PeakMeasurement", "Span", "StagedDecoder",
-    "TileGrid", "TilePlan", "axis_weights", "collect_tail_stats", "decode_spatial", "decode_streamed", "decode_temporal",
-    "decode_whole", "layout_axis", "make_grid", "measure_halo", "measure_peak_bytes", "override_forwards",
+    "TileGrid", "TilePlan", "axis_weights", "collect_tail_stats", "decode_spatial", "decode_streamed",
+    "decode_temporal", "decode_whole", "layout_axis", "make_grid", "measure_halo", "measure_peak_bytes", "override_forwards",
     "pass_through", "persistent_cache", "plan_decode", "run_stem",
 ]

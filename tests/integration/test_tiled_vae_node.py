@@ -152,7 +152,8 @@ def wan22_vae(comfy_env):
         def __init__(self, **kw):
             super().__init__(**{**kw, "dim": 8, "dec_dim": 8})
 
-    kw = dict(z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
+    kw = dict(z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+              temperal_downsample=[False, True, True])
     with torch.device("meta"):
         shapes = NarrowWanVAE(**kw).state_dict()
     sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=6)
