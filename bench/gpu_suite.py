@@ -1618,6 +1618,11 @@ def sec_quant(suite: Suite, sec: dict, deadline: float) -> None:
     fp8_mod = suite.pieces.get("quant.fp8")
     fp8_compute = fp8_mod.fp8_compute_available(dev) if fp8_mod and hasattr(fp8_mod, "fp8_compute_available") \
         else (False, "core/quant/fp8.py has no fp8_compute_available")
+    try:
+        from comfyui_levers.core.quant import fp8_triton
+        sec["fp8_activation_kernel"] = {"triton": fp8_triton._kernel() is not None, "broken": list(fp8_triton._BROKEN)}
+    except Exception as exc:  # noqa: BLE001 - informational
+        sec["fp8_activation_kernel"] = {"error": short_exc(exc)}
     sec.update({"tokens": tokens, "backends": avail, "fp8_compute": {"ok": fp8_compute[0], "reason": fp8_compute[1]},
                 "note": "per-linear kernel time (CUDA events, median), FLUX linear shapes, one 1024x1024 step's "
                         "tokens; SQNR of the layer output vs bf16 (dB)", "layers": []})
@@ -1661,6 +1666,9 @@ def sec_quant(suite: Suite, sec: dict, deadline: float) -> None:
         log(f"  {name:<15} bf16 {row['bf16']['ms']:.3f} ms | " + " | ".join(
             f"{f} {row[f].get('ms', '-')} ms {row[f].get('sqnr_db', '')} dB" for f in FORMATS if isinstance(row.get(f), dict)))
     # speed-ups over the layers where both bf16 and the format ran
+    with contextlib.suppress(Exception):
+        from comfyui_levers.core.quant import fp8_triton
+        sec.setdefault("fp8_activation_kernel", {})["broken_after"] = list(fp8_triton._BROKEN)
     sec["fp8_modes_speedup_vs_bf16"] = {}
     for key in ("off/per_row", "tensorwise/per_tensor", "tensorwise/per_row", "rowwise/per_row"):
         rows = [r for r in sec["layers"] if "ms" in ((r.get("fp8_e4m3fn") or {}).get("modes") or {}).get(key, {})]

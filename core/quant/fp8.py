@@ -101,7 +101,8 @@ def fp8_compute_available(device: torch.device) -> tuple[bool, str]:
 #   off         dequantize the weight to the compute dtype, bf16 matmul (also every other GPU)
 #   tensorwise  one scale for the whole activation (one reduction kernel, no host sync), cuBLASLt
 #               tensorwise fp8 GEMM; per-row weight scales are applied to the output columns
-#   rowwise     one scale per token and per output row (torch's rowwise-scaled fp8 GEMM)
+#   rowwise     one scale per token (one fused Triton kernel on CUDA: fp8_triton.py) and per output
+#               row (torch's rowwise-scaled fp8 GEMM)
 FP8_COMPUTE_MODES = ("off", "tensorwise", "rowwise")
 
 
@@ -117,13 +118,12 @@ def scaled_mm_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     x2 = x.reshape(-1, shape[-1])                                        # (tokens, in)
     out_features = codes.shape[0]
     if mode == "rowwise":
-        amax = torch.linalg.vector_norm(x2, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
-        x_scale = (amax / FP8_MAX).clamp_min(_TINY).to(x2.dtype)        # (tokens, 1)
-        x8 = (x2 / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        from .fp8_triton import quantize_rows_fp8
+        x8, x_scale = quantize_rows_fp8(x2)                               # one Triton kernel on CUDA
         w_scale = scale.float().reshape(1, -1) if granularity == Granularity.PER_ROW \
             else scale.float().reshape(1, 1).expand(1, out_features)   # (1, out)
         # rowwise scaling wants both scales rowwise: (tokens, 1) and (1, out).
-        y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale.float(), scale_b=w_scale.contiguous(),
+        y = torch._scaled_mm(x8, codes.t(), scale_a=x_scale, scale_b=w_scale.contiguous(),
                              bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
         return y.reshape(*shape[:-1], out_features)
     if mode != "tensorwise":
