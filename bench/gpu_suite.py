@@ -835,7 +835,11 @@ def git_info(commit_override: str | None = None) -> dict[str, Any]:
     given = commit_override or os.environ.get("LEVERS_COMMIT")
     if given:
         if commit and not commit.startswith(given) and not given.startswith(commit):
-            info["reason"] = f"--commit {given} differs from the checkout's HEAD {commit}; recorded HEAD"
+            # a copied working tree can carry an older .git (the lent GPU machine does): the caller
+            # knows which commit it sent, so that is the one recorded
+            info.update({"commit": given, "dirty": None, "git_head_here": commit,
+                         "reason": f"--commit {given} differs from this copy's .git HEAD {commit}; recorded "
+                                   f"--commit (the copy's .git is older than its files)"})
         elif not commit:
             info.update({"commit": given, "reason": "no .git here: commit given by --commit / LEVERS_COMMIT"})
     elif not commit:
