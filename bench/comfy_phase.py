@@ -647,7 +647,7 @@ def run_flow(env, sc: Scale, device: torch.device, clock: Clock, name: str, make
             res.update({"status": "partial", "reason": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
             res.update({"status": "oom" if _is_oom(exc) else "error", "reason": _short(exc),
-                        "traceback": traceback.format_exc(limit=12)[-3000:]})
+                        "traceback": traceback.format_exc()[-8000:]})
             _log(f"{name}: {res['status']}: {_short(exc, 300)}")
         finally:
             res["comfy_log"] = lines[-40:]
@@ -712,7 +712,7 @@ def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scal
     except OutOfTime as exc:
         result.update(status="partial", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - the suite gets a record, never a traceback
-        result.update(status="error", reason=_short(exc), traceback=traceback.format_exc(limit=12)[-4000:])
+        result.update(status="error", reason=_short(exc), traceback=traceback.format_exc()[-8000:])
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
