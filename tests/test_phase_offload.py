@@ -318,3 +318,25 @@ def test_importing_the_engine_pulls_in_no_comfy_and_no_cuda():
             "assert not [m for m in sys.modules if m == 'comfy' or m.startswith('comfy.')];"
             "assert not torch.cuda.is_initialized()")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("build_mode", [True, False], ids=["built_in_inference_mode", "built_normally"])
+def test_tensors_keep_their_kind_across_onload_and_offload(ids, build_mode):
+    """ComfyUI loads models inside inference mode. An inference buffer given normal data breaks on
+    its next view (ComfyUI's sampler reads ``model_sampling.sigmas[-1]``: "Inference tensors do not
+    track version counter", seen on an H200); rebinding must keep each tensor's kind."""
+    with torch.inference_mode(build_mode):
+        m = _model()
+    want = _model()(ids)
+    kinds = {n: t.is_inference() for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    assert all(k == build_mode for k in kinds.values())
+    h = apply_phase_offload(m, PhaseConfig(name="dit"), _recording())
+    for _ in range(2):
+        for state in ("onload", "offload"):
+            getattr(h, state)()
+            for name, t in [*m.named_parameters(), *m.named_buffers()]:
+                assert t.is_inference() == kinds[name], (state, name)
+            for mode in (True, False):
+                with torch.inference_mode(mode), torch.no_grad():
+                    assert float(m.gain[-1]) == 1.5                      # a view of a rebound buffer
+                    assert torch.equal(m(ids), want)

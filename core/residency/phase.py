@@ -114,10 +114,11 @@ class PhaseLedger:
 def rebind(obj: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
     """Point the tensor object ``obj`` (a Parameter or buffer) at ``new`` without copying.
 
-    Plain tensors: ``obj.data = new`` (object identity and autograd flags kept). Tensor subclasses
-    (torchao): ``.data`` assignment silently does nothing there, so the contents are swapped with
-    ``torch.utils.swap_tensors``; the returned object then holds ``obj``'s previous contents.
-    ``new`` must not be an inference tensor (assigning one makes ``obj`` an inference tensor).
+    Plain tensors: ``obj.data = new`` (object identity and autograd flags kept), through an alias
+    of ``new``'s storage of ``obj``'s own kind (inference or normal, see ``_same_kind``). Tensor
+    subclasses (torchao): ``.data`` assignment silently does nothing there, so the contents are
+    swapped with ``torch.utils.swap_tensors``; the returned object then holds ``obj``'s previous
+    contents.
     """
     if is_traceable_wrapper_subclass(obj) or is_traceable_wrapper_subclass(new):
         holder = new
@@ -125,8 +126,24 @@ def rebind(obj: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
             holder = torch.nn.Parameter(new, requires_grad=obj.requires_grad)
         torch.utils.swap_tensors(obj, holder)
         return holder
-    obj.data = new
+    obj.data = _same_kind(obj, new)
     return None
+
+
+def _same_kind(obj: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``'s storage as a tensor of ``obj``'s kind, no copy.
+
+    ComfyUI loads models inside ``torch.inference_mode()``, so their parameters and buffers are
+    inference tensors. Given normal data, such a tensor breaks on its next view ("Inference tensors
+    do not track version counter": ``model_sampling.sigmas[-1]`` in ComfyUI's sampler, on a GPU);
+    the reverse turns a normal tensor into an inference one. The alias keeps the kind.
+    """
+    if obj.is_inference() == new.is_inference():
+        return new
+    with torch.inference_mode(obj.is_inference()):
+        alias = torch.empty(0, dtype=new.dtype, device=new.device)
+        alias.set_(new.untyped_storage(), new.storage_offset(), new.size(), new.stride())
+    return alias
 
 
 def _version(t: torch.Tensor) -> int | None:
