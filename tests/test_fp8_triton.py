@@ -70,7 +70,8 @@ def test_cuda_kernel_matches_the_eager_fallback_bit_for_bit():
         x[3, 7] = 900.0
         q, s = ft._launch(x)
         amax = x.float().abs().amax(dim=1, keepdim=True)
-        s_ref = (amax / 448.0).clamp_min(1e-12)
+        # tensor / tensor: IEEE division (a Python-scalar divisor multiplies by its reciprocal on CUDA)
+        s_ref = (amax / torch.full_like(amax, 448.0)).clamp_min(1e-12)
         q_ref = (x.float() / s_ref).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(s, s_ref), cols
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), cols

@@ -46,8 +46,19 @@ def test_activations_match_seed_table(model, w, h, f, act_gib):
 
 
 def test_flux_16gb_example_from_the_issue():
+    # balanced: bf16 streamed. The issue's example expected fp8, on seed 001's 1.6x fp8 GEMM speed-up;
+    # measured on an H200 a whole fp8 FLUX step ran 1.05x bf16 (bench/results/2026-11-30-h200-d), so
+    # fp8 no longer buys the ~33% speed a lossy step must, and streaming hides behind compute here.
     p = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28), machine(16))
     dm, te, vae = p.diffusion_model, p.text_encoder, p.vae
+    assert dm.precision is Precision.BF16 and dm.residency is Residency.STREAMED
+    assert dm.streaming.hides_transfer
+    assert p.fits and p.predicted_peak_bytes < 16 * GiB
+    assert te.residency in (Residency.PHASE, Residency.CPU) or te.device != dm.device
+    # the speed goal still takes fp8 where it is faster: ~1 byte per parameter, census in the notes
+    fast = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28), machine(16), goal="speed")
+    dm, te, vae = fast.diffusion_model, fast.text_encoder, fast.vae
+    p = fast
     assert dm.precision is Precision.FP8_E4M3FN
     assert dm.weight_bytes / GiB == pytest.approx(11.1, abs=0.2)      # ~1 byte per parameter
     assert any("census keeps" in n and "16-bit" in n for n in dm.notes)
