@@ -2019,13 +2019,14 @@ def _video_case(suite: Suite, tiling) -> dict[str, Any]:
         raise Skip("needs ComfyUI's WanVAE class (--comfyui)")
     from comfy.ldm.wan.vae import WanVAE
     from comfyui_levers.bridge import vae as bridge_vae
-    if not hasattr(bridge_vae, "_wan21"):
-        raise Skip("bridge/vae.py has no Wan 2.1 staging (_wan21)")
+    stage_wan = getattr(bridge_vae, "_wan", None) or getattr(bridge_vae, "_wan21", None)
+    if stage_wan is None:
+        raise Skip("bridge/vae.py has no Wan staging (_wan)")
     dev, dt, smoke = suite.device, DTYPE["value"], suite.smoke
     dim, t, h, w = (16, 2, 8, 8) if smoke else (96, 5, 60, 104)       # 480x832, 17 frames
     vae = _init_random(WanVAE(dim=dim, z_dim=16), 0).to(device=dev, dtype=dt)
     z = torch.randn(1, 16, t, h, w, device=dev, dtype=dt)
-    staged = bridge_vae._wan21(vae, vae.decoder)
+    staged = stage_wan(vae, vae.decoder)
     res: dict[str, Any] = {"shape_note": f"ComfyUI WanVAE(dim={dim}, z_dim=16), latent {t}x{h}x{w} -> "
                                          f"{(t - 1) * 4 + 1} frames of {h * 8}x{w * 8} px, {dt}"}
     with torch.inference_mode():
@@ -2520,7 +2521,7 @@ def main(argv: list[str] | None = None) -> int:
     if suite.device.type != "cuda" and not args.smoke:
         log("no CUDA device: every GPU section will be recorded as skipped (use --smoke to exercise the code)")
     watchdog(suite, args.time_budget + (30 if args.smoke else 60))
-    if "dit" in args.sections:
+    if "dit" in args.sections or "vae" in args.sections:
         suite.comfy = ComfyBaseline(args.comfyui, suite.device)
         suite.results["comfyui"] = suite.comfy.info()
         if not suite.comfy.ok:
