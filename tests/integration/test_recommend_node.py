@@ -31,7 +31,10 @@ def test_recommend_measures_connected_models(comfy_env, tiny_wan):
 def test_recommend_plans_for_a_given_card(comfy_env, tiny_wan):
     node = _node(comfy_env)
     plan, report = node.execute("flux1-dev", 1024, 1024, 1, 28, 1, "balanced", 16.0, 64.0).result
-    assert plan.fits and plan.diffusion_model.precision.value == "fp8_e4m3fn"
+    dm = plan.diffusion_model
+    # balanced on 16 GB: bf16 blocks streamed behind compute (fp8 measured only 1.05x on FLUX, tests/test_plan.py)
+    assert plan.fits and (dm.precision.value, dm.residency.value) == ("bf16", "streamed")
+    assert plan.predicted_peak_bytes <= 16 * 1024 ** 3
     assert "predicted peak" in report
 
 
