@@ -99,20 +99,9 @@ def _import_comfy(path: Path, headroom: int, budget: int, dry_cpu: bool = False)
 def _emulate_card(mm, budget: int) -> None:
     """ComfyUI's free-memory reads describe a card of ``budget`` bytes (as the suite's legacy
     baseline does); aimdo's own headroom keeps its weight cache inside the same card."""
-    import torch
-    orig = mm.get_free_memory
-
-    def get_free_memory(dev=None, torch_free_too=False):
-        dev = mm.get_torch_device() if dev is None else dev
-        if getattr(dev, "type", None) != "cuda":
-            return orig(dev, torch_free_too)
-        stats = torch.cuda.memory_stats(dev)
-        active = stats.get("active_bytes.all.current", 0)
-        reserved = stats.get("reserved_bytes.all.current", 0)
-        free_total = max(0, budget - active)
-        return (free_total, max(0, reserved - active)) if torch_free_too else free_total
-
-    mm.get_free_memory = get_free_memory
+    sys.path.insert(0, str(HERE))
+    from comfy_card import budget_free_memory
+    mm.get_free_memory = budget_free_memory(mm, budget)
 
 
 def _device_used(torch, dev) -> int:

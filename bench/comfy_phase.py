@@ -399,16 +399,10 @@ def emulated_card(mm, device: torch.device, budget_bytes: int | None):
         yield
         return
     orig = mm.get_free_memory
-
-    def get_free_memory(dev=None, torch_free_too=False):
-        dev = mm.get_torch_device() if dev is None else dev
-        if getattr(dev, "type", None) != "cuda":
-            return orig(dev, torch_free_too)
-        stats = torch.cuda.memory_stats(dev)
-        active = stats.get("active_bytes.all.current", 0)
-        reserved = stats.get("reserved_bytes.all.current", 0)
-        free_total = max(0, budget_bytes - active)
-        return (free_total, max(0, reserved - active)) if torch_free_too else free_total
+    if str(Path(__file__).resolve().parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from comfy_card import budget_free_memory
+    get_free_memory = budget_free_memory(mm, budget_bytes)
 
     total = torch.cuda.get_device_properties(device).total_memory
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)

@@ -46,6 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))     # sibling modules (comfy_card, comfy_phase), also when imported
+from comfy_card import budget_free_memory  # noqa: E402
 GIB = 1024 ** 3
 MIB = 1024 ** 2
 SCHEMA = "levers-gpu-suite/1"
@@ -711,17 +714,7 @@ class ComfyBaseline:
         if budget_bytes is None or self.device.type != "cuda":
             yield
             return
-
-        def get_free_memory(dev=None, torch_free_too=False):
-            dev = mm.get_torch_device() if dev is None else dev
-            if getattr(dev, "type", None) != "cuda":
-                return orig(dev, torch_free_too)
-            stats = torch.cuda.memory_stats(dev)
-            active = stats.get("active_bytes.all.current", 0)
-            reserved = stats.get("reserved_bytes.all.current", 0)
-            free_total = max(0, budget_bytes - active)
-            return (free_total, max(0, reserved - active)) if torch_free_too else free_total
-
+        get_free_memory = budget_free_memory(mm, budget_bytes)
         mm.get_free_memory = get_free_memory
         try:
             yield

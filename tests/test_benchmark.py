@@ -199,3 +199,22 @@ def test_dynamic_vram_baseline_reports_a_reason_instead_of_failing(tmp_path):
         assert "no CUDA device" in out["reason"]
     else:
         assert "not a ComfyUI checkout" in out["reason"]
+
+
+def test_emulated_card_reports_budget_minus_active(monkeypatch):
+    """bench/comfy_card.py: ComfyUI's free memory on an emulated card (CUDA reads faked on the CPU)."""
+    import types
+    sys.path.insert(0, str(ROOT / "bench"))
+    from comfy_card import budget_free_memory
+    import torch
+    calls = []
+    mm = types.SimpleNamespace(get_torch_device=lambda: types.SimpleNamespace(type="cuda"),
+                               get_free_memory=lambda dev=None, torch_free_too=False: calls.append(dev) or 123)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev: {"active_bytes.all.current": 3 << 30,
+                                                                  "reserved_bytes.all.current": 5 << 30})
+    free = budget_free_memory(mm, 12 << 30)
+    assert free() == 9 << 30
+    assert free(torch_free_too=True) == (9 << 30, 2 << 30)
+    assert budget_free_memory(mm, 2 << 30)() == 0                       # never negative
+    cpu = types.SimpleNamespace(type="cpu")
+    assert free(cpu) == 123 and calls == [cpu]                          # other devices: ComfyUI's own answer
