@@ -449,12 +449,12 @@ def send_to_node(text: str, node_id: str | None) -> bool:
     """Show ``text`` on node ``node_id`` in the frontend; False (and a debug line) when it cannot."""
     ok, why = progress_text_channel()
     if node_id is None or not ok:
-        log.debug("Levers PhaseOffload: ledger not sent to the node (%s)", why if not ok else "no node id")
+        log.debug("Levers: report not sent to the node (%s)", why if not ok else "no node id")
         return False
     try:
         _prompt_server().send_progress_text(text, str(node_id))
     except (RuntimeError, OSError, ValueError) as exc:   # e.g. the server's event loop is closed
-        log.debug("Levers PhaseOffload: ledger not sent to node %s (%s)", node_id, exc)
+        log.debug("Levers: report not sent to node %s (%s)", node_id, exc)
         return False
     return True
 

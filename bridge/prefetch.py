@@ -327,8 +327,9 @@ class PrefetchState:
     """Shared by a clone and its clones (``clone`` copies the wrapper lists, not this object; a
     deep copy of the model options returns it unchanged too)."""
 
-    def __init__(self, request: BridgeRequest):
+    def __init__(self, request: BridgeRequest, node_id: str | None = None):
         self.request = request
+        self.node_id = node_id
         self.session: _Session | None = None
         self.last_report = ""
         self.last_stats: dict | None = None
@@ -354,6 +355,8 @@ class PrefetchState:
             self.last_report = session.close()
             self.session = None
             log.info("levers: %s", self.last_report.replace("\n", " | "))
+            from .phase import send_to_node
+            send_to_node(self.last_report, self.node_id)   # the achieved numbers, on the node; fail-soft
 
     def diffusion_model(self, executor, *args, **kwargs):
         s = self.session
@@ -368,8 +371,10 @@ def stand_aside_line() -> str:
             "--disable-dynamic-vram to use GroupPrefetch instead.")
 
 
-def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None):
-    """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling."""
+def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None,
+                          node_id: str | None = None):
+    """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling. ``node_id``:
+    the node that shows each run's achieved numbers (ComfyUI's progress text), when there is one."""
     import comfy.patcher_extension as pe
 
     require_model(model)
@@ -378,7 +383,7 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     layout = find_blocks(diffusion)
     if patcher_is_dynamic(clone) or dynamic_vram_active():
         return clone, stand_aside_line()
-    state = PrefetchState(BridgeRequest(config, budget_bytes))
+    state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
     clone.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     clone.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
     clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)
@@ -390,7 +395,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
              f"resident_groups={config.resident_groups}, VRAM budget="
              f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}.",
              "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "
-             "the first step's measured compute); the log line 'levers: GroupPrefetch ...' gives the achieved numbers."]
+             "the first step's measured compute); each run's achieved numbers appear on this node after it "
+             "(and in the log line 'levers: GroupPrefetch ...')."]
     return clone, "\n".join(lines)
 
 

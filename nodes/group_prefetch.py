@@ -72,13 +72,16 @@ class LeversGroupPrefetch(io.ComfyNode):
                                    "auto and its diffusion-model VRAM share becomes the budget."),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+            hidden=[io.Hidden.unique_id],   # each sampling run's achieved numbers are shown on this node
         )
 
     @classmethod
     def execute(cls, model, blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0,
                 plan=None) -> io.NodeOutput:
         config, budget = settings_from(plan, blocks_per_group, prefetch_depth, resident_groups, vram_budget_gb)
-        clone, report = attach_group_prefetch(model, config, budget_bytes=budget)
+        hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
+        clone, report = attach_group_prefetch(model, config, budget_bytes=budget,
+                                              node_id=getattr(hidden, "unique_id", None))
         return io.NodeOutput(clone, report, ui=ui.PreviewText(report))
 
 

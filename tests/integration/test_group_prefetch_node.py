@@ -156,3 +156,19 @@ def test_split_blocks_comfyui_loads_the_tails_bit_identical(comfy_env, tiny_wan)
     assert streamed < sum(blocks[fits:])
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)                 # the cached store, again
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)                 # the original, untouched
+
+
+def test_each_run_shows_its_achieved_numbers_on_the_node(comfy_env, tiny_wan, monkeypatch):
+    from comfyui_levers.bridge import phase as bridge_phase
+    from comfyui_levers.bridge.prefetch import attach_group_prefetch
+    from comfyui_levers.core.residency.prefetch import PrefetchConfig
+
+    sent = []
+    monkeypatch.setattr(bridge_phase, "send_to_node", lambda text, node_id: sent.append((node_id, text)) or True)
+    clone, report = attach_group_prefetch(tiny_wan.load_model(), PrefetchConfig(1, 1, 1), budget_bytes=1 << 30,
+                                          node_id="9")
+    assert "appear on this node" in report
+    tiny_wan.sample(clone)
+    tiny_wan.sample(clone)
+    assert [n for n, _ in sent] == ["9", "9"]                      # once per sampling run
+    assert all(t.startswith("GroupPrefetch:") and "streamed" in t for _, t in sent)
