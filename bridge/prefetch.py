@@ -20,6 +20,7 @@ How it cooperates (legacy ModelPatcher path, ComfyUI 0.3.x-0.8 and later without
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import weakref
@@ -99,37 +100,32 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
     A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
     leading leaf modules (registration order) up to the cap; the tail is the rest. Streamed bytes
     only grow with the cap, so the first cap that fits streams the fewest bytes."""
-    parts = []
+    parts = []   # per block: (modules with own tensors that always stream, leaf modules in order, head sizes)
     for _, block in blocks:
-        fixed, leaves = 0, []
+        fixed, leaves = [], []
         for m in block.modules():
             own = _own_bytes(m)
             if not own:
                 continue
             has_children_params = any(True for c in m.children() for _ in c.parameters())
-            if has_children_params:
-                fixed += own
-            else:
-                leaves.append((m, own))
-        heads = [fixed]
+            (fixed if has_children_params else leaves).append((m, own))
+        heads = [sum(n for _, n in fixed)]
         for _, nbytes in leaves:
             heads.append(heads[-1] + nbytes)
-        parts.append((block, fixed, leaves, heads))
-    total_blocks = sum(h[-1] for _, _, _, h in parts)
-    for cap in sorted({h for _, _, _, hs in parts for h in hs if h > 0}):
-        cuts = [max(k for k, h in enumerate(hs) if h <= cap) if hs[0] <= cap else 0 for _, _, _, hs in parts]
-        heads = [hs[k] for (_, _, _, hs), k in zip(parts, cuts)]
+        parts.append((fixed, leaves, heads))
+    total_blocks = sum(hs[-1] for _, _, hs in parts)
+    for cap in sorted({h for _, _, hs in parts for h in hs if h > 0}):
+        cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
+        heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
         if other_bytes + total_blocks - streamed + (depth + 1) * max(heads) > budget:
             continue
-        head_mods, tails, idx = set(), set(), []
-        for b, ((block, fixed, leaves, _), k) in enumerate(zip(parts, cuts)):
-            if heads[b]:
-                idx.append(b)
-            head_mods.update(id(m) for m in block.modules() if _own_bytes(m) and not any(m is lm for lm, _ in leaves))
-            head_mods.update(id(m) for m, _ in leaves[:k])
+        head_mods, tails = set(), set()
+        for (fixed, leaves, _), k in zip(parts, cuts):
+            head_mods.update(id(m) for m, _ in fixed + leaves[:k])
             tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
-        return SplitLayout(tuple(idx), frozenset(head_mods), frozenset(tails), streamed, cap)
+        idx = tuple(b for b, h in enumerate(heads) if h)
+        return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap)
     return None
 
 

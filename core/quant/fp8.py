@@ -9,6 +9,7 @@ Dequantize: codes.to(dtype) * scale (broadcast per block).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -85,8 +86,11 @@ class Fp8Quantizer(Quantizer):
         return out * inp + 4 * n_scales
 
 
+@functools.lru_cache(maxsize=None)
 def fp8_compute_available(device: torch.device) -> tuple[bool, str]:
-    """Whether ``torch._scaled_mm`` can run fp8 x fp8 matmuls on ``device`` (CUDA sm >= 8.9)."""
+    """Whether ``torch._scaled_mm`` can run fp8 x fp8 matmuls on ``device`` (CUDA sm >= 8.9).
+
+    Cached per device: every fp8 layer asks on every forward."""
     if device.type != "cuda":
         return False, "fp8 matmul is used only on CUDA"
     if not hasattr(torch, "_scaled_mm"):
