@@ -80,14 +80,30 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
         name = "Wan 2.2 VAE" if staged.first_call_kwarg else "Wan 2.1 VAE"
         return staged, f"{name}: middle block (attention) whole, upsampling stages tiled, causal cache carried"
     if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
-        if not isinstance(getattr(dec.conv_in, "weight", None), torch.Tensor) or dec.conv_in.weight.ndim != 4:
-            return None, f"{type(dec).__name__} is a 3-D (video) KL decoder: not supported for seamless tiling"
+        weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 5:
+            if any(len(up.attn) > 0 for up in dec.up):
+                return None, f"{type(dec).__name__} is a 3-D KL decoder with attention in its upsampling stages"
+            return _kl(fsm, dec, video=True), (
+                "3-D KL decoder (HunyuanVideo): stages up to 1/4 of the output scale run whole (attention + their "
+                "GroupNorms), the rest tiled with statistics pooled over all tiles; time in the decoder's own "
+                "causal chunks")
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
+            return None, f"{type(dec).__name__} has a conv_in Levers does not recognise"
         return _kl(fsm, dec), ("KL decoder: stages up to 1/4 of the output scale run whole (attention + their "
                                "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
     return None, f"{type(fsm).__name__} has no seamless tiling in Levers yet"
 
 
-def _kl(fsm, dec) -> StagedDecoder:
+def _kl(fsm, dec, video: bool = False) -> StagedDecoder:
+    """The 2-D KL decoder (SD/SDXL/SD3/Flux) or its 3-D form (HunyuanVideo, ``conv3d=True``).
+
+    The 3-D form with carried convolutions (``Decoder.carried``) splits the frames after the middle block
+    into chunks of 2 latent frames and runs the upsampling stages chunk by chunk, carrying each causal
+    convolution's last input frames: its own exact temporal chunks, one ``conv_out`` call each. Its
+    ``conv_in`` is called on input its caller has already padded (1 px in space, 2 frames in time), so
+    in tile runs its stand-in removes that padding from the stand-in latent.
+    """
     n = dec.num_resolutions
     level = max(0, n - 2)        # the stage one upsampling above the latent (1/4 of the output scale for x8 VAEs)
     stem = []
@@ -114,7 +130,17 @@ def _kl(fsm, dec) -> StagedDecoder:
         else:
             tail += mods + ups
     tail += [dec.norm_out, dec.conv_out]
-    return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
+    if not video:
+        return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
+    carried = bool(getattr(dec, "carried", False))
+    stand_ins = {dec.conv_in: _unpad_carried} if carried else {}
+    return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail, stand_ins=stand_ins,
+                         stream_module=dec.conv_out if carried else None, own_chunk_frames=2 if carried else 0)
+
+
+def _unpad_carried(x, *args, **kwargs):
+    """Stand-in for a carried 3-D ``conv_in``: undo the (1, 1, 1, 1, 2, 0) replicate padding its caller added."""
+    return x[:, :, 2:, 1:-1, 1:-1]
 
 
 def _is_wan_decoder(fsm, dec) -> bool:
@@ -135,20 +161,14 @@ def _wan(fsm, dec) -> StagedDecoder:
     n_cache = sum(1 for _ in dec.modules()) + 8     # longer than any index the decoder uses
     first = "first_chunk" if "first_chunk" in inspect.signature(dec.forward).parameters else None
     stem = [fsm.conv2, dec.conv1, dec.middle[0], dec.middle[1]]
+    # ComfyUI 0.33+ decodes latent frames in pairs (``Decoder3d.run_up``): its causal cache keeps only the
+    # frames of the last call (2 per cached layer), so chunks of 1 latent frame would lose context; exact
+    # chunks are its own calls (the first frame, then pairs), which ``decode_streamed`` runs unchanged.
+    pairs = hasattr(dec, "run_up")
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=dec.middle[2], tail=list(dec.upsamples) + list(dec.head),
                          cache_module=dec, cache_kwarg="feat_cache", new_cache=lambda: [None] * n_cache,
-                         first_call_kwarg=first)
-
-
-def _pairs_frames(vae) -> bool:
-    """True for the Wan decoder that decodes latent frames in pairs (ComfyUI 0.33+, ``Decoder3d.run_up``).
-
-    Its causal cache keeps only the frames of the last call (2 frames per cached layer), so chunks of
-    1 latent frame lose context; exact chunks are its own calls (the first frame, then pairs), which
-    ``decode_streamed`` runs unchanged while moving each call's frames off the device.
-    """
-    dec = getattr(getattr(vae, "first_stage_model", None), "decoder", None)
-    return dec is not None and hasattr(dec, "run_up")
+                         first_call_kwarg=first, stream_module=dec if pairs else None,
+                         own_chunk_frames=2 if pairs else 0)
 
 
 # ------------------------------------------------------------------------------------- measure
@@ -165,14 +185,15 @@ def _out_frames(vae, t: int) -> int:
 def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tuple[DecodeCost, float, str]:
     """Bytes per output pixel of the whole decode and of a tile, from small probe decodes.
 
-    Returns (cost, halo_px, method). The probe is a crop of the latent (at most 32x32, 2 frames).
+    Returns (cost, halo_px, method). The probe is a crop of the latent (at most 32x32; 2 frames, or for a
+    decoder that chunks time itself, two of its chunks, so that one steady-state chunk is measured).
     """
     dev = torch.device(vae.device)
     s = _spatial_scale(vae)
     ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
     probe = latent[:1, ..., :ph, :pw]
     if probe.ndim == 5:
-        probe = probe[:, :, :3 if _pairs_frames(vae) else 2]    # 0.33 Wan: frame 0, then one pair call
+        probe = probe[:, :, :2 * staged.own_chunk_frames if staged is not None and staged.streamed else 2]
     probe = probe.to(dev, vae.vae_dtype)
     frame_px = ph * pw * s * s
     with torch.inference_mode():
@@ -194,7 +215,9 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tup
         with torch.inference_mode(), override_forwards(runner.replacements()):
             cache = staged.new_cache() if staged.causal else None
             d = _frames_dummy(probe)
-            return runner.run(d[:, :, :1] if d.ndim == 5 else d, cache)
+            if d.ndim == 5 and not staged.streamed:
+                d = d[:, :, :1]           # one latent frame: the chunk tiles of a causal decoder run
+            return runner.run(d, cache)
 
     _, tail_m = measure_peak_bytes(tail, dev)
     tile_px = frame_px
@@ -253,6 +276,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                           "This VAE decodes audio or another 1-D latent; use VAEDecode.")
     rep = DecodeReport()
     staged, why = describe_vae(vae)
+    if settings.stats == "windows" and samples.ndim == 5 and staged is not None and staged.tail_norms:
+        raise ConfigError("groupnorm_stats", "windows", "tiles or exact for this video VAE",
+                          "Window statistics sample single images; video tiles pool their statistics over all "
+                          "tiles instead (the default, tiles).")
     rep.add(f"VAE: {type(vae.first_stage_model).__name__} ({why}); latent {tuple(samples.shape)}")
     if settings.free_other_models:
         rep.add(free_other_models(vae))
@@ -266,27 +293,27 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     overlap = settings.overlap or (plan_tiling.overlap_px if plan_tiling is not None else 0)
     tsize = settings.temporal_size or ((plan_tiling.temporal_frames or 0) if plan_tiling is not None else 0)
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
-    pairs = video and staged is not None and staged.causal and _pairs_frames(vae)
+    own = video and staged is not None and staged.streamed
     chunk_frames = max(1, tsize // t_compress) if (tsize and video) else None
-    if pairs and chunk_frames is not None:
-        chunk_frames = 2        # the decoder's own calls; other sizes would cut its cache
+    if own and chunk_frames is not None:
+        chunk_frames = staged.own_chunk_frames      # the decoder's own calls; other sizes would cut its state
     cost, halo_px, method = measure_cost(vae, staged, samples)
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
             f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px; tail receptive field {halo_px:.0f} px")
     plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
                        tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
                        chunk_frames=chunk_frames, spatial_supported=staged is not None,
-                       temporal_supported=staged is not None and staged.causal,
+                       temporal_supported=staged is not None and (staged.causal or staged.streamed),
                        out_frames=_out_frames(vae, samples.shape[2]) if video else None,
-                       auto_chunk_frames=2 if pairs else 1)
-    if plan.mode == "temporal" and pairs:
-        rep.add("Wan decoder decodes frame pairs (ComfyUI 0.33+): chunks are its own calls (latent frame 0, then "
-                "pairs), run unchanged with the causal cache it carries; each call's frames leave the device")
-    if plan.mode == "spatial" and pairs:
-        # ComfyUI 0.33+ Wan decoder: after the first call it decodes 2 latent frames per call and caches only
-        # what a call saw, so our 1-frame chunks would lose context; one native decode call per tile is exact.
+                       auto_chunk_frames=staged.own_chunk_frames if own else 1,
+                       tile_out_frames=_out_frames(vae, samples.shape[2]) if own else 0)
+    if plan.mode == "temporal" and own:
+        rep.add(f"the decoder walks the frames in its own chunks ({staged.own_chunk_frames} latent frames, carrying "
+                "its causal state): chunks are its own calls, run unchanged; each call's frames leave the device")
+    if plan.mode == "spatial" and own:
+        # the decoder's own chunks carry state a different chunking would cut: one native decode call per tile
         plan = dataclasses.replace(plan, chunk_frames=samples.shape[2])
-        rep.add("Wan decoder decodes frame pairs (ComfyUI 0.33+): each tile decodes all frames in one call")
+        rep.add("the decoder walks the frames in its own chunks: each tile decodes all frames in one call")
     rep.add("plan: " + plan.describe(s))
     rep.add("why: " + plan.reason)
     if video and settings.temporal_overlap:
@@ -313,8 +340,8 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                 outs.append(vae.decode(samples[i:i + plan.batch_per_pass]))      # ComfyUI's own path
                 progress(min(i + plan.batch_per_pass, samples.shape[0]), samples.shape[0])
             return torch.cat(outs, 0)
-        if plan.mode == "temporal" and pairs:
-            out = decode_streamed(staged.run, staged.cache_module, latent, vae.output_device, progress, interrupt,
+        if plan.mode == "temporal" and own:
+            out = decode_streamed(staged.run, staged.stream_module, latent, vae.output_device, progress, interrupt,
                                   total_frames=_out_frames(vae, samples.shape[2]))
         elif plan.mode == "temporal":
             out = decode_temporal(staged, latent, plan.chunk_frames, vae.output_device, progress, interrupt)
@@ -330,7 +357,13 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     if plan.mode == "spatial":
         stats_note = ("no GroupNorm in the tiled stages" if not staged.tail_norms else
                       f"GroupNorm statistics: {settings.stats} ({len(staged.tail_norms)} layers)")
-        rep.add(f"{info.tiles} tiles; {stats_note}; {'exact by construction' if plan.exact else 'blended'}")
+        if not plan.exact:
+            exactness = "seams blended (overlap below the receptive field)"
+        elif staged.tail_norms and settings.stats != "exact":
+            exactness = "seams exact, GroupNorm statistics estimated"
+        else:
+            exactness = "exact by construction"
+        rep.add(f"{info.tiles} tiles; {stats_note}; {exactness}")
     if peak is not None:
         rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB, measured {peak.peak_bytes / GIB:.3f} GiB "
                 f"({peak.method})")

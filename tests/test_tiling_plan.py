@@ -58,14 +58,36 @@ def test_batch_slicing_before_tiling():
     assert p.mode == "whole" and p.batch_per_pass == 1
 
 
-def test_tiles_are_the_largest_that_fit():
-    budget = 600 * MIB
-    p = plan_decode((1, 16, 128, 128), 8, COST, budget_bytes=budget, halo_px=20.0)
-    assert p.mode == "spatial" and p.exact
-    assert p.overlap * 8 >= 2 * 20 + 1
+@pytest.mark.parametrize("shape,budget_mib", [((1, 16, 128, 128), 600), ((1, 16, 128, 128), 540),
+                                               ((1, 16, 90, 160), 520), ((1, 16, 64, 200), 450)])
+def test_auto_tiles_fit_and_recompute_the_least(shape, budget_mib):
+    """Among every tile size that fits the budget (checked by brute force over all sizes, laid out as the
+    decode lays them out), the planner's tiles compute the fewest tail pixels, overlaps included."""
+    h, w = shape[-2:]
+    budget = budget_mib * MIB
+    p = plan_decode(shape, 8, COST, budget_bytes=budget, halo_px=20.0)
+    assert p.mode == "spatial" and p.exact and p.overlap * 8 >= 2 * 20 + 1
     assert p.predicted_peak_bytes <= budget
-    bigger = (p.tile[0] + 1) * (p.tile[1] + 1) * 64 * COST.tile_bytes_per_px + 100 * 1024 * 1024
-    assert bigger > budget                                  # one more latent row/col would not fit
+
+    def work(th, tw):
+        rows, cols = layout_axis(h, th, p.overlap), layout_axis(w, tw, p.overlap)
+        return sum(r.size for r in rows) * sum(c.size for c in cols)
+
+    def fits(th, tw):
+        return 100.0 * h * w * 64 + COST.tile_bytes_per_px * th * tw * 64 <= budget
+
+    best = min(work(th, tw) for th in range(p.overlap + 1, h + 1) for tw in range(p.overlap + 1, w + 1)
+               if fits(th, tw))
+    assert work(*p.tile) == best
+    assert p.work_ratio == pytest.approx(best / (h * w)) and f"{p.work_ratio:.2f}x" in p.reason
+
+
+def test_auto_tiles_beat_the_largest_square_that_fits():
+    """The old rule (largest square tile that fits) recomputes more: 1024 px, a budget for ~60-latent tiles."""
+    p = plan_decode((1, 16, 128, 128), 8, COST, budget_bytes=int((100 * 128 * 128 + 4000 * 60 * 60) * 64),
+                    halo_px=20.0)
+    square = sum(r.size for r in layout_axis(128, 60, p.overlap)) ** 2 / 128 ** 2
+    assert p.work_ratio < square - 0.3, (p.work_ratio, square)
 
 
 def test_user_tile_below_receptive_field_is_flagged_not_exact():
@@ -79,6 +101,20 @@ def test_video_uses_temporal_chunks_first():
     p = plan_decode((1, 16, 21, 64, 64), 8, cost, budget_bytes=int(whole * 0.9), temporal_supported=True,
                     out_frames=81)
     assert p.mode == "temporal" and p.chunk_frames == 1
+
+
+def test_video_tiles_that_hold_all_their_frames_count_them():
+    """A decoder that runs all frames of a tile in one call keeps the tile's output frames on the device:
+    the tile search counts them, so it picks smaller tiles than for a tile that hands frames off per chunk."""
+    cost = DecodeCost(whole_bytes_per_px=3000.0, tile_bytes_per_px=3000.0, stem_bytes_per_px=100.0,
+                      output_bytes_per_px=1000.0)
+    shape, budget = (1, 16, 21, 64, 64), 300 * MIB
+    per_chunk = plan_decode(shape, 8, cost, budget_bytes=budget, halo_px=8.0, out_frames=81)
+    held = plan_decode(shape, 8, cost, budget_bytes=budget, halo_px=8.0, out_frames=81, tile_out_frames=81)
+    assert per_chunk.mode == held.mode == "spatial"
+    assert held.tile[0] < per_chunk.tile[0] and held.predicted_peak_bytes <= budget
+    tile_px = held.tile[0] * held.tile[1] * 64
+    assert held.predicted_peak_bytes >= cost.output_bytes_per_px * tile_px * 81
 
 
 def test_budget_too_small_raises_with_numbers():

@@ -53,6 +53,12 @@ class StagedDecoder:
     the feature cache as a keyword argument and a factory for an empty cache.
     first_call_kwarg: a flag ``run`` passes to ``cache_module`` on its first call only (Wan 2.2's
     ``first_chunk``); chunked runs set it on the first call of the video, not of each chunk.
+    stand_ins: for stem modules whose tile-run stand-in is not a plain pass-through (a module that
+    receives its input already padded by the caller must undo that padding on the stand-in latent).
+    stream_module / own_chunk_frames: for a video decoder whose ``run`` already walks the frames in
+    chunks of its own, carrying its causal state between them (ComfyUI's HunyuanVideo and 0.33 Wan
+    decoders): a module called once per chunk with that chunk's output frames, and the latent frames
+    one steady-state chunk covers. Its exact temporal chunks are those calls (``decode_streamed``).
     """
 
     run: Callable[[torch.Tensor], torch.Tensor]
@@ -64,6 +70,9 @@ class StagedDecoder:
     new_cache: Callable[[], list] | None = None
     first_call_kwarg: str | None = None
     tail_norms: list[nn.GroupNorm] = field(default_factory=list)
+    stand_ins: dict = field(default_factory=dict)
+    stream_module: nn.Module | None = None
+    own_chunk_frames: int = 0
 
     def __post_init__(self):
         if not self.tail_norms:
@@ -72,6 +81,11 @@ class StagedDecoder:
     @property
     def causal(self) -> bool:
         return self.cache_module is not None
+
+    @property
+    def streamed(self) -> bool:
+        """True when the decoder chunks time itself (see ``stream_module``)."""
+        return self.stream_module is not None
 
 
 @dataclass
@@ -150,7 +164,7 @@ class _TailRunner:
         self.norms = GroupNormPatch(staged.tail_norms)
 
     def replacements(self) -> dict:
-        repl = {m: pass_through for m in self.staged.stem}
+        repl = {m: self.staged.stand_ins.get(m, pass_through) for m in self.staged.stem}
         repl[self.staged.boundary] = self.provider
         repl.update(self.norms.replacements())
         return repl
@@ -196,17 +210,19 @@ def collect_tail_stats(staged: StagedDecoder, stem_out: torch.Tensor, halo_stem_
     runner = _TailRunner(staged, stem_out)
     if not staged.tail_norms:
         return GroupNormStats(), 1.0
-    if stem_out.ndim != 4:
-        raise ConfigError("vae", "video decoder with GroupNorm in its tail", "a decoder Levers can tile",
-                          "Spatial tiling of this VAE is not supported; decode whole or in temporal chunks.")
-    b, c, hs, ws = stem_out.shape
-    dummy = torch.zeros(b, 1, 1, 1, device=stem_out.device, dtype=stem_out.dtype)
     if fraction >= 1.0:
+        dummy = (_frames_dummy(stem_out[:, :1, ..., :1, :1]) if stem_out.ndim == 5 else
+                 torch.zeros(stem_out.shape[0], 1, 1, 1, device=stem_out.device, dtype=stem_out.dtype))
         runner.norms.pooled(1, None)
         with torch.inference_mode(), override_forwards(runner.replacements()):
             runner.provider.windows = stem_out
             runner.run(dummy)
         return runner.norms.recorded, 1.0
+    if stem_out.ndim != 4:
+        raise ConfigError("groupnorm_stats", "windows", "tiles or exact for a video VAE",
+                          "Window statistics sample single images; video tiles pool their statistics over all "
+                          "tiles instead (the default).")
+    b, c, hs, ws = stem_out.shape
     wins = _window_plan(hs, ws, halo_stem_px, fraction, max_px)
     k = len(wins)
     crops, masks = [], []

@@ -39,11 +39,14 @@ class TilePlan:
     budget_bytes: int
     reason: str
     exact: bool = True                 # True when theory says the result equals the untiled decode
+    work_ratio: float = 1.0            # tail pixels computed (overlaps included) / pixels of the image
 
     def describe(self, scale: int) -> str:
         parts = [f"mode={self.mode}", f"batch/pass={self.batch_per_pass}"]
         if self.tile:
             parts.append(f"tile={self.tile[0] * scale}x{self.tile[1] * scale}px overlap={self.overlap * scale}px")
+        if self.tile:
+            parts.append(f"tail work={self.work_ratio:.2f}x of untiled")
         if self.chunk_frames:
             parts.append(f"chunk={self.chunk_frames} latent frame(s)")
         parts.append(f"predicted peak={self.predicted_peak_bytes / GIB:.3f} GiB of budget "
@@ -61,14 +64,15 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
                 halo_px: float = 0.0, tile: int | None = None, overlap: int | None = None,
                 chunk_frames: int | None = None, align: int = 1, spatial_supported: bool = True,
                 temporal_supported: bool = False, out_frames: int | None = None,
-                auto_chunk_frames: int = 1) -> TilePlan:
+                auto_chunk_frames: int = 1, tile_out_frames: int = 0) -> TilePlan:
     """Choose the cheapest decode that fits ``budget_bytes``.
 
     latent_shape: [B, C, H, W] or [B, C, T, H, W]. scale: output px per latent px.
     halo_px: the tail's receptive-field radius in output px (context a tile needs to be exact).
     tile / overlap: user sizes in latent units (None = auto). chunk_frames: latent frames per
     temporal chunk (None = auto: ``auto_chunk_frames``, the smallest chunk the decoder can run
-    exactly). out_frames: decoded frames for a video latent (None = T).
+    exactly). out_frames: decoded frames for a video latent (None = T). tile_out_frames: output frames
+    a video tile keeps on the device until it ends (a decoder that runs all frames of a tile in one call).
     Auto never tiles when the whole decode fits.
     """
     if len(latent_shape) not in (4, 5):
@@ -131,7 +135,9 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
 
     def tile_peak(tt: tuple[int, int]) -> int:
         # the stem pass ends before tiles start, so its peak is checked on its own
-        return int(stored + cost.tile_bytes_per_px * tt[0] * tt[1] * scale * scale * (cf or 1))
+        tile_px = tt[0] * tt[1] * scale * scale
+        return int(stored + cost.tile_bytes_per_px * tile_px * (cf or 1)
+                   + cost.output_bytes_per_px * tile_px * tile_out_frames)
 
     if tile is not None:
         tt = (min(tile, h), min(tile, w))
@@ -149,26 +155,54 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         why = "tile_size given" + ("" if exact else
                                    f"; overlap {ov * scale}px is below the decoder's receptive field "
                                    f"({2 * halo_px + 1:.0f}px needed): seams are blended, not exact") + clamped
-        return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget, why, exact)
+        ratio = _count(h, tt[0], ov) * tt[0] * _count(w, tt[1], ov) * tt[1] / (h * w)
+        return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget, why, exact,
+                        work_ratio=ratio)
 
     if stem_peak > budget:
         raise BudgetExceeded(int(stem_peak), budget, "VAE decode (low-resolution stem)",
                              "Even the whole-image low-resolution stages do not fit; free memory first.")
     a = max(1, align)
-    start = max(h, w)
-    start -= start % a
-    t_lat = start
-    while t_lat > ov and t_lat >= a:
-        tt = (min(t_lat, h), min(t_lat, w))
-        if tile_peak(tt) <= budget:
-            n = _count(h, tt[0], ov) * _count(w, tt[1], ov)
-            return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget,
-                            f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: largest tiles that fit "
-                            f"({n} tiles), overlap covers 2 x the receptive field so tiles are exact", ov >= min_overlap)
-        t_lat -= a
+    best = None                                     # ((work, tiles), (tile_h, tile_w))
+    for nr in range(1, h + 1):
+        tr = _tile_for_count(h, nr, ov, a)
+        if tr is None:
+            break
+        # for a fixed number of rows, more columns only add overlap: the fewest that fit is the best
+        for nc in range(1, w + 1):
+            tc = _tile_for_count(w, nc, ov, a)
+            if tc is None:
+                break
+            if tile_peak((tr, tc)) <= budget:
+                n_r, n_c = _count(h, tr, ov), _count(w, tc, ov)
+                key = (n_r * tr * n_c * tc, n_r * n_c)
+                if best is None or key < best[0]:
+                    best = (key, (tr, tc))
+                break
+        if best is not None and (h + nr * ov) * w >= best[0][0]:
+            break                                   # more rows would recompute more than the best found
+    if best is not None:
+        (work, n), tt = best
+        ratio = work / (h * w)
+        return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget,
+                        f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: {n} tiles that fit, shaped for the "
+                        f"least recomputed overlap (tail work {ratio:.2f}x of untiled); overlap covers 2 x the "
+                        f"receptive field so tiles are exact", ov >= min_overlap, work_ratio=ratio)
     smallest = (min(ov + a, h), min(ov + a, w))
     raise BudgetExceeded(tile_peak(smallest), budget, "VAE decode (smallest tile)",
                          "Free memory (unload other models), lower the resolution, or decode on the CPU.")
+
+
+def _tile_for_count(length: int, n: int, overlap: int, align: int) -> int | None:
+    """The smallest tile (a multiple of ``align`` or the whole axis) that covers ``length`` in ``n`` tiles
+    overlapping by at least ``overlap``; None when n tiles cannot keep that overlap."""
+    if n == 1:
+        return length
+    t = math.ceil((length + (n - 1) * overlap) / n)
+    t = min(length, math.ceil(t / align) * align)
+    if t <= overlap or t >= length:
+        return None
+    return t
 
 
 def _count(length: int, tile: int, overlap: int) -> int:
