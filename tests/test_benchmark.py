@@ -119,6 +119,13 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
     comfy = [c for c in cases if c["engine"] == "comfyui_lowvram"]
     assert comfy and all(c["status"] == "skipped" and "ComfyUI" in c["reason"] for c in comfy)
     assert d["comfyui"]["ok"] is False and d["comfyui"]["reason"]
+    # the fp8 model streamed from its own arena of fp8 bytes computes what the resident fp8 model computes
+    store = d["sections"]["dit"]["models"]["flux"]["levers_fp8_store"]
+    assert "torch.float8_e4m3fn" in store["arena_dtypes"], store
+    fp8_streamed = [c for c in cases if c["engine"] == "levers_prefetch_fp8"]
+    assert fp8_streamed and all(c["status"] == "ok" and c["bit_exact_vs_resident_fp8"] for c in fp8_streamed)
+    auto = d["sections"]["vae"]["image_auto_third"]
+    assert auto["peak_ratio"] > 0 and auto["work_ratio"] >= 1.0 and auto["budget_bytes"] > 0, auto
     assert SUMMARY_KEYS <= set(d["summary"])
     for key, m in d["summary"].items():
         assert m["value"] is not None or m["reason"], key
