@@ -53,7 +53,8 @@ def _import_comfy(path: Path, headroom: int, budget: int, dry_cpu: bool = False)
         import comfy.model_management as mm
         import comfy.model_patcher as mp
         import comfy.ops as ops
-        return {"mm": mm, "mp": mp, "ops": ops, "aimdo": None, "device": torch.device("cpu"), "version": "dry-cpu"}
+        return {"mm": mm, "mp": mp, "ops": ops, "aimdo": None, "device": torch.device("cpu"), "version": "dry-cpu",
+                "patcher": mp.ModelPatcher}
     if not torch.cuda.is_available():
         raise Skip("no CUDA device: DynamicVRAM runs only on NVIDIA/AMD GPUs")
     if not (path / "comfy" / "model_patcher.py").is_file():
@@ -93,7 +94,8 @@ def _import_comfy(path: Path, headroom: int, budget: int, dry_cpu: bool = False)
         version = (path / "comfyui_version.py").read_text().split("__version__")[1].split('"')[1]
     except (OSError, IndexError):
         pass
-    return {"mm": mm, "mp": mp, "ops": ops, "aimdo": aimdo, "device": dev, "version": version}
+    return {"mm": mm, "mp": mp, "ops": ops, "aimdo": aimdo, "device": dev, "version": version,
+            "patcher": mp.ModelPatcherDynamic}
 
 
 def _emulate_card(mm, budget: int) -> None:
@@ -102,6 +104,26 @@ def _emulate_card(mm, budget: int) -> None:
     sys.path.insert(0, str(HERE))
     from comfy_card import budget_free_memory
     mm.get_free_memory = budget_free_memory(mm, budget)
+
+
+def build_comfy_model(gs, spec, ops, tensors: dict):
+    """The suite's DiT from ComfyUI's ``disable_weight_init`` layers, its weights given the way ComfyUI's
+    loaders give them (``load_state_dict(..., assign=True)``, as ``BaseModel.load_model_weights`` does).
+
+    Under DynamicVRAM (``comfy.memory_management.aimdo_enabled``) those layers are built without weights and
+    take them only through ``_load_from_state_dict`` (``_lazy_load_from_state_dict``); binding Parameters
+    directly, as the legacy baseline does, leaves every Linear's weight None (the 2026-11-30 H200 runs failed
+    there). Any key the model does not take is an error, not a silent half-loaded model.
+    """
+    model = gs.make_meta_model(spec, ops=ops.disable_weight_init)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise RuntimeError(f"the state dict does not fit the model: missing {list(missing)[:5]}, "
+                           f"unexpected {list(unexpected)[:5]}")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"parameters left on the meta device: {meta[:5]}")
+    return model
 
 
 def _device_used(torch, dev) -> int:
@@ -118,6 +140,11 @@ def run(args, out: dict) -> None:
     headroom = max(0, int(args.total_bytes) - budget)
     out.update({"budget_bytes": budget, "vram_headroom_bytes": headroom, "model": args.model})
     c = _import_comfy(Path(args.comfyui).resolve(), headroom, budget, args.dry_cpu)
+    if args.dry_cpu and args.lazy_ops:
+        import comfy.memory_management
+        if not hasattr(comfy.memory_management, "aimdo_enabled"):
+            raise Skip("this ComfyUI has no DynamicVRAM layers (comfy.memory_management.aimdo_enabled)")
+        comfy.memory_management.aimdo_enabled = True      # the layers' constructors read it
     mm, mp, ops, dev = c["mm"], c["mp"], c["ops"], c["device"]
     out["comfyui_version"] = c["version"]
     spec = {"flux": gs.FLUX, "wan": gs.WAN}[args.model]
@@ -125,9 +152,13 @@ def run(args, out: dict) -> None:
         spec = {"flux": gs.SMOKE_FLUX, "wan": gs.SMOKE_WAN}[args.model]
     t0 = time.perf_counter()
     host = gs.HostWeights(gs.make_meta_model(spec), pin=False)
-    model = host.bind(gs.make_meta_model(spec, ops=ops.disable_weight_init))
+    model = build_comfy_model(gs, spec, ops, host.tensors)
+    if args.dry_cpu and args.lazy_ops:
+        import comfy.memory_management
+        comfy.memory_management.aimdo_enabled = False     # built and loaded as DynamicVRAM does; run on the CPU
     out["host_fill_s"] = round(time.perf_counter() - t0, 2)
-    patcher = mp.ModelPatcherDynamic(model, load_device=dev, offload_device=torch.device("cpu"))
+    out["weights_bound_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    patcher = c["patcher"](model, load_device=dev, offload_device=torch.device("cpu"))
     out["patcher"] = type(patcher).__name__
     inputs = gs.make_inputs(spec, dev)
     area = spec.latent_area * 2 * 0.01 * spec.comfy_memory_factor * 1024 ** 2   # BaseModel.memory_required
@@ -172,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="stop timing steps after this long")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU test)")
     p.add_argument("--dry-cpu", action="store_true", help="no aimdo, ComfyUI's CPU device: plumbing test only")
+    p.add_argument("--lazy-ops", action="store_true",
+                   help="with --dry-cpu: build the layers as DynamicVRAM does (no weights until load_state_dict)")
     args = p.parse_args(argv)
     out: dict = {"status": "failed", "reason": None}
     try:

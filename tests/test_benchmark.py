@@ -225,3 +225,34 @@ def test_emulated_card_reports_budget_minus_active(monkeypatch):
     assert budget_free_memory(mm, 2 << 30)() == 0                       # never negative
     cpu = types.SimpleNamespace(type="cpu")
     assert free(cpu) == 123 and calls == [cpu]                          # other devices: ComfyUI's own answer
+
+
+def test_dynamic_vram_baseline_loads_weights_the_way_dynamicvram_layers_take_them(tmp_path):
+    """The DynamicVRAM baseline builds its model from layers constructed as under DynamicVRAM (no weights until
+    ``load_state_dict``; binding Parameters directly left every Linear's weight None and failed on the H200),
+    loads every weight and computes what the suite's own model computes. On the CPU, without comfy-aimdo
+    (``--dry-cpu --lazy-ops``); needs COMFYUI_PATH at a DynamicVRAM-era ComfyUI (0.15+, e.g. 0.33)."""
+    import torch
+    path = os.environ.get("COMFYUI_PATH")
+    if not path or not (Path(path) / "comfy" / "memory_management.py").is_file():
+        pytest.skip("needs COMFYUI_PATH at a DynamicVRAM-era ComfyUI (comfy/memory_management.py)")
+    gs = _load_suite()
+    for name, spec in (("flux", gs.SMOKE_FLUX), ("wan", gs.SMOKE_WAN)):
+        host = gs.HostWeights(gs.make_meta_model(spec), pin=False)
+        with torch.inference_mode():
+            ref = host.bind(gs.make_meta_model(spec))(*gs.make_inputs(spec, torch.device("cpu")))
+        torch.save(ref, tmp_path / f"ref-{name}.pt")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "integration" / "stubs"),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "comfy_dynamic.py"), "--comfyui", path,
+                               "--model", name, "--budget-gib", "1", "--total-bytes", str(80 * 1024 ** 3), "--smoke",
+                               "--dry-cpu", "--lazy-ops", "--ref", str(tmp_path / f"ref-{name}.pt")],
+                              capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LEVERS_JSON ")), None)
+        assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out = json.loads(line[len("LEVERS_JSON "):])
+        if out["status"] == "skipped":
+            pytest.skip(out["reason"])
+        assert out["status"] == "ok", out
+        assert out["weights_bound_bytes"] == gs.model_bytes(spec) == out["model_bytes"], out
+        assert out["bit_exact"] is True, out
