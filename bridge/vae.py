@@ -3,6 +3,8 @@
 Only this module touches ComfyUI (``comfy.sd.VAE``, ``comfy.model_management``, ``comfy.utils``).
 Supported seamless paths, detected from the model's modules rather than ComfyUI's version:
   * KL decoders (SD 1.x/2.x, SDXL, SD3, Flux, Flux 2): ``comfy.ldm.modules.diffusionmodules.model.Decoder``;
+  * HunyuanVideo 1.0 (the 3-D KL decoder) and 1.5 (``comfy.ldm.hunyuan_video.vae_refiner.Decoder``): time in the
+    decoder's own carried-convolution chunks, streamed; spatial tiles;
   * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) and Wan 2.2 VAE (``comfy.ldm.wan.vae2_2.WanVAE``): causal,
     temporal chunks with the feature cache carried + spatial tiles. ComfyUI 0.33's Wan 2.1 decoder walks the
     frames in its own chunks (first frame, then pairs); its temporal chunks are those calls (``decode_streamed``).
@@ -79,6 +81,9 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
         staged = _wan(fsm, dec)
         name = "Wan 2.2 VAE" if staged.first_call_kwarg else "Wan 2.1 VAE"
         return staged, f"{name}: middle block (attention) whole, upsampling stages tiled, causal cache carried"
+    if _is_hunyuan15_decoder(dec):
+        return _hunyuan15(fsm, dec), ("HunyuanVideo 1.5 VAE: middle block (attention) whole, upsampling stages "
+                                      "tiled (per-pixel RMS norms: exact); time in the decoder's own causal chunks")
     if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
         weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 5:
@@ -141,6 +146,39 @@ def _kl(fsm, dec, video: bool = False) -> StagedDecoder:
 def _unpad_carried(x, *args, **kwargs):
     """Stand-in for a carried 3-D ``conv_in``: undo the (1, 1, 1, 1, 2, 0) replicate padding its caller added."""
     return x[:, :, 2:, 1:-1, 1:-1]
+
+
+def _is_hunyuan15_decoder(dec) -> bool:
+    """ComfyUI's HunyuanVideo 1.5 decoder (``comfy.ldm.hunyuan_video.vae_refiner.Decoder`` with
+    ``refiner_vae=True``): carried causal 3-D convolutions, per-pixel RMS norms, attention only in the middle."""
+    if dec is None or not getattr(dec, "refiner_vae", False):
+        return False
+    if not all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out", "z_channels")):
+        return False
+    return not any(isinstance(m, torch.nn.GroupNorm) for m in dec.up.modules())
+
+
+def _zero_unpad_carried(x, *args, **kwargs):
+    """Stand-in for HunyuanVideo 1.5's ``conv_in``, whose caller adds the latent itself (repeated over channels)
+    to the convolution's output: unpadded and zeroed, so the stand-in latent (frame indices) comes through."""
+    return x[:, :, 2:, 1:-1, 1:-1] * 0
+
+
+def _hunyuan15(fsm, dec) -> StagedDecoder:
+    """HunyuanVideo 1.5: the stem is conv_in and the middle block up to its last residual block (the attention
+    spans the whole frame); the tail is the upsampling stages (pixel-shuffle upsamplers) and the head, whose
+    norms are per pixel, so tiles are exact. Like the 3-D KL decoder it splits time into chunks of 2 latent frames
+    after the middle block and carries each causal convolution's last frames: one ``conv_out`` call per chunk."""
+    stem = [dec.conv_in, dec.mid.block_1, dec.mid.attn_1]
+    tail = []
+    for stage in dec.up:
+        tail += list(stage.block)
+        if hasattr(stage, "upsample"):
+            tail.append(stage.upsample)
+    tail += [dec.norm_out, dec.conv_out]
+    return StagedDecoder(run=fsm.decode, stem=stem, boundary=dec.mid.block_2, tail=tail,
+                         stand_ins={dec.conv_in: _zero_unpad_carried}, stream_module=dec.conv_out,
+                         own_chunk_frames=2)
 
 
 def _is_wan_decoder(fsm, dec) -> bool:

@@ -269,3 +269,66 @@ def test_hunyuan_spatial_tiles_beat_vaedecodetiled(comfy_env, hunyuan_vae):
     assert p_ours >= p_comfy + 10 and p_ours >= 30, (p_ours, p_comfy)
     with pytest.raises(ConfigError, match="groupnorm_stats"):
         run_node(comfy_env, latent, hunyuan_vae, tile_size=tile, overlap=overlap, groupnorm_stats="windows")
+
+
+@pytest.fixture(scope="module")
+def hunyuan15_vae(comfy_env):
+    """A HunyuanVideo 1.5 VAE (``comfy.ldm.hunyuan_video.vae_refiner``: 16x space, 4x time, 32 latent channels,
+    carried causal convolutions, per-pixel RMS norms) that comfy.sd.VAE detects from its state dict, with
+    block widths (32, 32, 32, 16, 8) instead of (128 .. 1024): sd.py hard-codes them, so the encoder and decoder
+    classes are swapped for narrower subclasses while comfy.sd.VAE builds it (restored at once)."""
+    import comfy.ldm.hunyuan_video.vae_refiner as refiner
+    import comfy.sd
+
+    widths = [8, 16, 32, 32, 32]
+    originals = refiner.Encoder, refiner.Decoder
+
+    class NarrowEncoder(originals[0]):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "block_out_channels": widths})
+
+    class NarrowDecoder(originals[1]):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "block_out_channels": widths})
+
+    cfg = dict(block_out_channels=widths, in_channels=3, out_channels=3, num_res_blocks=2, ffactor_spatial=16,
+               ffactor_temporal=4, downsample_match_channel=True, upsample_match_channel=True, z_channels=32)
+    with torch.device("meta"):
+        enc, dec = NarrowEncoder(**cfg), NarrowDecoder(**cfg)
+    shapes = {**{"encoder." + k: v for k, v in enc.state_dict().items()},
+              **{"decoder." + k: v for k, v in dec.state_dict().items()}}
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=12)
+    refiner.Encoder, refiner.Decoder = NarrowEncoder, NarrowDecoder
+    try:
+        vae = comfy.sd.VAE(sd=sd)
+    finally:
+        refiner.Encoder, refiner.Decoder = originals
+    assert vae.latent_channels == 32 and vae.upscale_ratio[-1] == 16
+    assert type(vae.first_stage_model.decoder).__name__ == "NarrowDecoder"
+    return vae
+
+
+def test_hunyuan15_temporal_chunks_are_its_own_calls_and_exact(comfy_env, hunyuan15_vae):
+    latent = {"samples": smooth_latent((1, 32, 5, 4, 6), 13)}
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, hunyuan15_vae, temporal_size=8, memory_budget_gb=64)
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan15_vae, latent, 512, 64, 8, 4)[0]
+    print(f"\nHunyuanVideo 1.5 temporal: Levers bit-exact, VAEDecodeTiled (temporal_size 8, overlap 4) "
+          f"{psnr(comfy_tiled, ref):.1f} dB\n{report}")
+    assert "HunyuanVideo 1.5 VAE" in report and "mode=temporal" in report and "own calls" in report, report
+    assert ours.shape == ref.shape == (17, 64, 96, 3)
+    assert torch.equal(ours, ref)
+
+
+def test_hunyuan15_spatial_tiles_are_exact(comfy_env, hunyuan15_vae):
+    """Per-pixel norms: with the overlap covering the receptive field the tiles compute the untiled pixels."""
+    latent = {"samples": smooth_latent((1, 32, 2, 8, 30), 14)}
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
+    tile, overlap = 288, 224
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan15_vae, latent, tile, overlap, 64, 8)[0]
+    ours, report = run_node(comfy_env, latent, hunyuan15_vae, tile_size=tile, overlap=overlap)
+    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
+    print(f"\nHunyuanVideo 1.5 {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
+          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
+    assert "mode=spatial" in report and ours.shape == ref.shape == (5, 128, 480, 3), report
+    assert p_ours >= 60 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
