@@ -394,7 +394,8 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     elapsed = time.perf_counter() - t0
     if plan.mode == "spatial":
         stats_note = ("no GroupNorm in the tiled stages" if not staged.tail_norms else
-                      f"GroupNorm statistics: {settings.stats} ({len(staged.tail_norms)} layers)")
+                      f"GroupNorm statistics: {settings.stats} ({len(staged.tail_norms)} layers"
+                      + ("; one extra pass over the tiles)" if settings.stats == "tiles" else ")"))
         if not plan.exact:
             exactness = "seams blended (overlap below the receptive field)"
         elif staged.tail_norms and settings.stats != "exact":
