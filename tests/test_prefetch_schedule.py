@@ -1,6 +1,8 @@
 """Group prefetch on CPU through the recording transport: schedule, byte ledger, budget, outputs."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -474,3 +476,71 @@ def test_blocks_compiled_with_torch_compile_stream_bit_identical():
         torch._dynamo.reset()
     with torch.no_grad():
         assert torch.equal(m(*x), ref)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="inductor needs a C compiler on the CPU")
+def test_blocks_compiled_with_inductor_stream_bit_identical_without_recompiling():
+    """torch.compile per block with inductor (the default backend): streamed blocks compute exactly what the
+    same compiled blocks compute resident, and streaming (parameters rebound to slot storage every step)
+    compiles nothing new after the first streamed forward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    m = make_wan(n=6)
+    x = wan_inputs()
+    torch._dynamo.reset()
+    try:
+        for b in m.blocks:
+            b.compile()
+        with torch.no_grad():
+            ref = m(*x)                                   # compiled, resident
+        h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG), _rec(), bandwidth=0)
+        try:
+            with torch.no_grad():
+                assert torch.equal(m(*x), ref)
+                compiled = dict(counters["stats"])
+                assert compiled.get("unique_graphs", 0) >= 1, compiled      # it did compile
+                for _ in range(3):
+                    assert torch.equal(m(*x), ref)
+            assert dict(counters["stats"]) == compiled, (compiled, dict(counters["stats"]))
+            assert h.last.h2d_bytes == _streamed_bytes(h) > 0 and h.last.d2h_bytes == 0
+        finally:
+            h.remove()
+        with torch.no_grad():
+            assert torch.equal(m(*x), ref)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_inductor_blocks_stream_bit_identical_without_recompiling():
+    """The same on a GPU: blocks compiled by inductor, streamed on the copy stream into device slots, compute
+    exactly what the compiled blocks compute resident, with no recompile while their storage is rebound."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from comfyui_levers.core.residency.transport import CudaTransport
+    m = make_wan(n=6)
+    x = tuple(t.cuda() for t in wan_inputs())
+    torch._dynamo.reset()
+    try:
+        resident = make_wan(n=6).cuda()
+        for b in list(m.blocks) + list(resident.blocks):
+            b.compile()
+        with torch.no_grad():
+            ref = resident(*x)
+        del resident
+        h = apply_group_prefetch(m, PrefetchConfig(1, 2, 1, BIG), RecordingTransport(CudaTransport("cuda")),
+                                 bandwidth=0)
+        try:
+            with torch.no_grad():
+                assert torch.equal(m(*x), ref)
+                compiled = dict(counters["stats"])
+                for _ in range(3):
+                    assert torch.equal(m(*x), ref)
+            assert dict(counters["stats"]) == compiled
+            assert h.last.d2h_bytes == 0 and h.last.h2d_bytes > 0
+        finally:
+            h.remove()
+    finally:
+        torch._dynamo.reset()
