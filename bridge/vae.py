@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.errors import ConfigError, IncompatibleInput
+from ..core.errors import BudgetExceeded, ConfigError, IncompatibleInput
 from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_streamed,
                            decode_temporal, measure_halo, measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
@@ -95,6 +95,8 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
                 "causal chunks")
         if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
             return None, f"{type(dec).__name__} has a conv_in Levers does not recognise"
+        if any(len(dec.up[lv].attn) > 0 for lv in range(max(0, dec.num_resolutions - 2))):
+            return None, f"{type(dec).__name__} has attention in its high-resolution stages: tiles would not be local"
         return _kl(fsm, dec), ("KL decoder: stages up to 1/4 of the output scale run whole (attention + their "
                                "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
     return None, f"{type(fsm).__name__} has no seamless tiling in Levers yet"
@@ -338,13 +340,24 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     cost, halo_px, method = measure_cost(vae, staged, samples)
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
             f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px; tail receptive field {halo_px:.0f} px")
-    plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
-                       tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
-                       chunk_frames=chunk_frames, spatial_supported=staged is not None,
-                       temporal_supported=staged is not None and (staged.causal or staged.streamed),
-                       out_frames=_out_frames(vae, samples.shape[2]) if video else None,
-                       auto_chunk_frames=staged.own_chunk_frames if own else 1,
-                       tile_out_frames=_out_frames(vae, samples.shape[2]) if own else 0)
+    try:
+        plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
+                           tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
+                           chunk_frames=chunk_frames, spatial_supported=staged is not None,
+                           temporal_supported=staged is not None and (staged.causal or staged.streamed),
+                           out_frames=_out_frames(vae, samples.shape[2]) if video else None,
+                           auto_chunk_frames=staged.own_chunk_frames if own else 1,
+                           tile_out_frames=_out_frames(vae, samples.shape[2]) if own else 0)
+    except BudgetExceeded as exc:
+        if staged is not None:
+            raise
+        # Nothing Levers can do better for this VAE: stand aside. ComfyUI's own decode retries with its own
+        # tiled decode when it runs out of memory, which beats failing here on a prediction.
+        plan = TilePlan("whole", 1 if video else samples.shape[0], None, 0, None, exc.needed_bytes, budget,
+                        f"predicted over the budget ({exc}); Levers has no seamless tiling for this VAE, so it "
+                        "stands aside: ComfyUI's own decode, which falls back to its tiled decode on out-of-memory",
+                        exact=True)
+        rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
     if plan.mode == "temporal" and own:
         rep.add(f"the decoder walks the frames in its own chunks ({staged.own_chunk_frames} latent frames, carrying "
                 "its causal state): chunks are its own calls, run unchanged; each call's frames leave the device")

@@ -332,3 +332,20 @@ def test_hunyuan15_spatial_tiles_are_exact(comfy_env, hunyuan15_vae):
           f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
     assert "mode=spatial" in report and ours.shape == ref.shape == (5, 128, 480, 3), report
     assert p_ours >= 60 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
+
+
+def test_a_vae_levers_cannot_tile_stands_aside_instead_of_failing(comfy_env):
+    """TAESD (ComfyUI's tiny preview VAE) has no staged description: with a budget the prediction exceeds, the
+    node runs ComfyUI's own decode (which retries with its tiled decode on out-of-memory) and says so."""
+    import comfy.sd
+    import comfy.taesd.taesd as taesd
+
+    with torch.device("meta"):
+        shapes = taesd.TAESD(latent_channels=4).state_dict()
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=15)
+    vae = comfy.sd.VAE(sd=sd)
+    latent = {"samples": smooth_latent((1, 4, 16, 16), 15)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, vae, memory_budget_gb=1e-6)
+    assert "no seamless tiling" in report and "standing aside" in report and "mode=whole" in report, report
+    assert torch.equal(ours, ref)
