@@ -142,13 +142,27 @@ def test_bad_inputs_name_the_field(comfy_env, kl_vae):
 
 
 # ----------------------------------------------------------------------------------------------- Wan 2.2
+def vae_with_swapped_classes(module, swaps: dict, sd: dict):
+    """``comfy.sd.VAE(sd=sd)`` while ``module``'s classes named in ``swaps`` are replaced (restored at once):
+    sd.py hard-codes the full widths, so the tests swap in narrower subclasses for ComfyUI to detect and load."""
+    import comfy.sd
+
+    originals = {name: getattr(module, name) for name in swaps}
+    for name, cls in swaps.items():
+        setattr(module, name, cls)
+    try:
+        return comfy.sd.VAE(sd=sd)
+    finally:
+        for name, cls in originals.items():
+            setattr(module, name, cls)
+
+
 @pytest.fixture(scope="module")
 def wan22_vae(comfy_env):
     """A Wan 2.2 VAE (comfy.ldm.wan.vae2_2.WanVAE, 16x spatial, 48 latent channels) built by comfy.sd.VAE
     from a state dict, at width 8 instead of 160/256: sd.py hard-codes the widths, so the class is
     swapped for a narrower subclass while comfy.sd.VAE detects and loads it (restored at once)."""
     import comfy.ldm.wan.vae2_2 as wan22
-    import comfy.sd
 
     original = wan22.WanVAE
 
@@ -161,11 +175,7 @@ def wan22_vae(comfy_env):
     with torch.device("meta"):
         shapes = NarrowWanVAE(**kw).state_dict()
     sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=6)
-    wan22.WanVAE = NarrowWanVAE
-    try:
-        vae = comfy.sd.VAE(sd=sd)
-    finally:
-        wan22.WanVAE = original
+    vae = vae_with_swapped_classes(wan22, {"WanVAE": NarrowWanVAE}, sd)
     assert vae.latent_channels == 48 and vae.upscale_ratio[-1] == 16
     return vae
 
@@ -229,25 +239,26 @@ def hunyuan_vae(comfy_env):
     with torch.device("meta"):
         shapes = NarrowKL(ddconfig=dd, embed_dim=16).state_dict()
     sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=8)
-    comfy.sd.AutoencoderKL = NarrowKL
-    try:
-        vae = comfy.sd.VAE(sd=sd)
-    finally:
-        comfy.sd.AutoencoderKL = original
+    vae = vae_with_swapped_classes(comfy.sd, {"AutoencoderKL": NarrowKL}, sd)
     assert vae.latent_dim == 3 and vae.upscale_ratio[-1] == 8 and vae.first_stage_model.decoder.carried
     return vae
 
 
-def test_hunyuan_temporal_chunks_are_its_own_calls_and_exact(comfy_env, hunyuan_vae):
-    latent = {"samples": smooth_latent((1, 16, 5, 6, 8), 9)}
-    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_vae, latent)[0]
-    ours, report = run_node(comfy_env, latent, hunyuan_vae, temporal_size=8, memory_budget_gb=64)
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan_vae, latent, 512, 64, 8, 4)[0]
-    p_comfy = psnr(comfy_tiled, ref)
-    print(f"\nHunyuanVideo temporal: Levers bit-exact, VAEDecodeTiled (temporal_size 8, overlap 4) {p_comfy:.1f} dB"
-          f"\n{report}")
-    assert "3-D KL decoder (HunyuanVideo)" in report and "mode=temporal" in report and "own calls" in report
-    assert ours.shape == ref.shape == (17, 48, 64, 3)
+@pytest.mark.parametrize("name,label,latent_shape,out_shape", [
+    ("hunyuan_vae", "3-D KL decoder (HunyuanVideo)", (1, 16, 5, 6, 8), (17, 48, 64, 3)),
+    ("hunyuan15_vae", "HunyuanVideo 1.5 VAE", (1, 32, 5, 4, 6), (17, 64, 96, 3)),
+], ids=["hunyuan_1_0", "hunyuan_1_5"])
+def test_hunyuan_temporal_chunks_are_its_own_calls_and_exact(comfy_env, request, name, label, latent_shape,
+                                                            out_shape):
+    vae = request.getfixturevalue(name)
+    latent = {"samples": smooth_latent(latent_shape, 9)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, vae, temporal_size=8, memory_budget_gb=64)
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(vae, latent, 512, 64, 8, 4)[0]
+    print(f"\n{label} temporal: Levers bit-exact, VAEDecodeTiled (temporal_size 8, overlap 4) "
+          f"{psnr(comfy_tiled, ref):.1f} dB\n{report}")
+    assert label in report and "mode=temporal" in report and "own calls" in report, report
+    assert ours.shape == ref.shape == out_shape
     assert torch.equal(ours, ref)          # the decoder's own chunks, its outputs moved as they come
 
 
@@ -278,7 +289,6 @@ def hunyuan15_vae(comfy_env):
     block widths (32, 32, 32, 16, 8) instead of (128 .. 1024): sd.py hard-codes them, so the encoder and decoder
     classes are swapped for narrower subclasses while comfy.sd.VAE builds it (restored at once)."""
     import comfy.ldm.hunyuan_video.vae_refiner as refiner
-    import comfy.sd
 
     widths = [8, 16, 32, 32, 32]
     originals = refiner.Encoder, refiner.Decoder
@@ -298,26 +308,10 @@ def hunyuan15_vae(comfy_env):
     shapes = {**{"encoder." + k: v for k, v in enc.state_dict().items()},
               **{"decoder." + k: v for k, v in dec.state_dict().items()}}
     sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=12)
-    refiner.Encoder, refiner.Decoder = NarrowEncoder, NarrowDecoder
-    try:
-        vae = comfy.sd.VAE(sd=sd)
-    finally:
-        refiner.Encoder, refiner.Decoder = originals
+    vae = vae_with_swapped_classes(refiner, {"Encoder": NarrowEncoder, "Decoder": NarrowDecoder}, sd)
     assert vae.latent_channels == 32 and vae.upscale_ratio[-1] == 16
     assert type(vae.first_stage_model.decoder).__name__ == "NarrowDecoder"
     return vae
-
-
-def test_hunyuan15_temporal_chunks_are_its_own_calls_and_exact(comfy_env, hunyuan15_vae):
-    latent = {"samples": smooth_latent((1, 32, 5, 4, 6), 13)}
-    ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
-    ours, report = run_node(comfy_env, latent, hunyuan15_vae, temporal_size=8, memory_budget_gb=64)
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan15_vae, latent, 512, 64, 8, 4)[0]
-    print(f"\nHunyuanVideo 1.5 temporal: Levers bit-exact, VAEDecodeTiled (temporal_size 8, overlap 4) "
-          f"{psnr(comfy_tiled, ref):.1f} dB\n{report}")
-    assert "HunyuanVideo 1.5 VAE" in report and "mode=temporal" in report and "own calls" in report, report
-    assert ours.shape == ref.shape == (17, 64, 96, 3)
-    assert torch.equal(ours, ref)
 
 
 def test_hunyuan15_spatial_tiles_are_exact(comfy_env, hunyuan15_vae):
