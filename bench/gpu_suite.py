@@ -2011,6 +2011,7 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
             sync(dev)
             img["tiled_s"] = rnd(time.perf_counter() - t0, 4)
         img.update({"tiled_peak_bytes": tiled.peak_bytes, "halo_px": halo, "tiles": info.tiles,
+                    "phase_s": {k: rnd(v, 4) for k, v in getattr(info, "phase_s", {}).items()},
                     "stats_fraction": rnd(info.stats_fraction, 3), "overlap_latent": overlap, "tile_latent": tile,
                     "tile_px": tile * 8, "peak_ratio": rnd(tiled.peak_bytes / max(1, whole.peak_bytes), 4),
                     "time_ratio": rnd(img["tiled_s"] / max(1e-9, img["untiled_s"]), 3),
@@ -2068,7 +2069,8 @@ def _vae_auto_third(suite: Suite, tiling, sec, staged, z, ref, halo, whole, base
         out, tiled = tiling.measure_peak_bytes(run, dev)
         sync(dev)
         img["tiled_s"] = rnd(time.perf_counter() - t0, 4)
-    img.update({"budget_bytes": budget, "psnr_db": rnd(psnr_db(ref, out), 2), "plan": plan.describe(8), "tile_latent": list(plan.tile),
+    img.update({"budget_bytes": budget, "psnr_db": rnd(psnr_db(ref, out), 2),
+                "phase_s": {k: rnd(v, 4) for k, v in getattr(info, "phase_s", {}).items()}, "plan": plan.describe(8), "tile_latent": list(plan.tile),
                 "work_ratio": rnd(getattr(plan, "work_ratio", 0.0), 3), "tiles": info.tiles,
                 "tiled_peak_bytes": tiled.peak_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
                 "peak_ratio": rnd(tiled.peak_bytes / max(1, whole.peak_bytes), 4),

@@ -416,6 +416,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         else:
             exactness = "exact by construction"
         rep.add(f"{info.tiles} tiles; {stats_note}; {exactness}")
+        rep.add("time by phase: " + ", ".join(f"{k} {v:.2f} s" for k, v in info.phase_s.items()))
     if peak is not None:
         rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB, measured {peak.peak_bytes / GIB:.3f} GiB "
                 f"({peak.method})")

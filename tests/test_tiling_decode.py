@@ -389,3 +389,15 @@ def test_temporal_needs_a_causal_decoder(kl):
     m, z, _ = kl
     with pytest.raises(ConfigError, match="causal"):
         decode_temporal(m.staged(), z, 1)
+
+
+def test_decode_reports_time_by_phase(kl):
+    """The stem, the statistics pass and the tiles are timed apart (the GPU suite reads this to see where a
+    tiled decode's time goes); a run over two samples adds both samples' phases."""
+    m, z, _ = kl
+    info = DecodeStats()
+    decode_spatial(m.staged(), torch.cat([z, z]), spatial_plan(18, 10), out_scale=4, halo_px=4.0, info=info)
+    assert set(info.phase_s) == {"stem", "stats", "tiles"} and all(v > 0 for v in info.phase_s.values())
+    info2 = DecodeStats()
+    decode_spatial(m.staged(), z, spatial_plan(18, 10), out_scale=4, info=info2)       # halo measured
+    assert set(info2.phase_s) == {"stem", "halo", "stats", "tiles"}

@@ -26,6 +26,7 @@ Nothing here imports ComfyUI: the bridge names the modules and supplies ``run`` 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -98,6 +99,15 @@ class DecodeStats:
     stats_fraction: float = 0.0
     halo_px: float = 0.0
     notes: list[str] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=dict)   # wall seconds per phase: stem, stats, tiles
+
+    def clock(self, phase: str, since: float, device: torch.device) -> float:
+        """Add the seconds since ``since`` to ``phase`` (after the device finished its queued work)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - since
+        return now
 
 
 def _frames_dummy(latent: torch.Tensor, frames: slice | None = None) -> torch.Tensor:
@@ -415,7 +425,9 @@ def decode_spatial(staged: StagedDecoder, latent: torch.Tensor, plan: TilePlan, 
     outputs = []
     for bi in range(b):
         sample = latent[bi:bi + 1]
+        t0 = time.perf_counter()
         stem_out = run_stem(staged, sample)                          # [1, C, (T,) Hs, Ws]
+        t0 = info.clock("stem", t0, latent.device)
         stem_scale = stem_out.shape[-1] // w
         if stem_scale * w != stem_out.shape[-1] or stem_scale * h != stem_out.shape[-2]:
             raise RuntimeError(f"stem output {tuple(stem_out.shape)} is not an integer multiple of the latent "
@@ -423,6 +435,7 @@ def decode_spatial(staged: StagedDecoder, latent: torch.Tensor, plan: TilePlan, 
         out_per_stem = out_scale // stem_scale
         if halo_px is None:
             halo_px = measure_halo(staged, stem_out, out_per_stem)
+            t0 = info.clock("halo", t0, latent.device)
         halo_stem = int(math.ceil(halo_px / out_per_stem))
         info.stem_shape, info.halo_px = tuple(stem_out.shape), halo_px
         if grid is None:
@@ -438,6 +451,7 @@ def decode_spatial(staged: StagedDecoder, latent: torch.Tensor, plan: TilePlan, 
             norm_stats, info.stats_fraction = collect_tail_stats(staged, stem_out, halo_stem, frac, max_px=tile_px)
         else:
             norm_stats = GroupNormStats()
+        t0 = info.clock("stats", t0, latent.device)
         runner.norms.frozen(norm_stats)
         canvas = None
         total = b * len(grid)
@@ -457,6 +471,7 @@ def decode_spatial(staged: StagedDecoder, latent: torch.Tensor, plan: TilePlan, 
                 ys, xs = slice(rs.start * out_scale, rs.stop * out_scale), slice(cs.start * out_scale, cs.stop * out_scale)
                 canvas[..., ys, xs] += piece * wt.to(device=output_device, dtype=torch.float32)
                 _emit(progress, bi * len(grid) + k + 1, total)
+        info.clock("tiles", t0, latent.device)
         del stem_out, runner
         outputs.append(canvas)
     return torch.cat(outputs, 0)

@@ -69,25 +69,34 @@ class GroupNormStats:
 
 
 def _normalize(module: nn.GroupNorm, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """GroupNorm of x with given per-(sample, group) stats. x: [B, C, *spatial]; mean/var: [B, G].
+    """GroupNorm of x with given per-(sample, group) stats, affine included, in one kernel.
 
-    ``batch_norm`` in eval mode normalises each "channel" with given statistics; viewing x as
-    [1, B*G, C/G * spatial] makes those channels the GroupNorm groups, so the result costs one
-    output tensor, like the native GroupNorm (the affine step is in place).
+    x: [B, C, *spatial]; mean/var: [B, G]. ``batch_norm`` in eval mode normalises each channel with given
+    statistics and applies a per-channel affine: viewing x as [1, B*C, spatial] and giving every channel its
+    group's statistics and its own weight and bias is exactly GroupNorm with those statistics, in one pass over
+    x (statistics stay float32 whatever x's dtype).
     """
     b, c = x.shape[:2]
-    g = module.num_groups
-    xv = x.contiguous().reshape(1, b * g, -1)                         # [1, B*G, C/G * spatial]
-    m = mean.reshape(-1).to(device=x.device, dtype=torch.float32)
-    v = var.reshape(-1).to(device=x.device, dtype=torch.float32)
-    y = torch.nn.functional.batch_norm(xv.float() if x.dtype == torch.float64 else xv, m.to(xv.dtype),
-                                       v.to(xv.dtype), training=False, eps=module.eps).reshape(x.shape)
+    rep = c // module.num_groups
+    m = mean.to(device=x.device, dtype=torch.float32).reshape(b, -1).repeat_interleave(rep, 1).reshape(-1)
+    v = var.to(device=x.device, dtype=torch.float32).reshape(b, -1).repeat_interleave(rep, 1).reshape(-1)
+    w = bias = None
     if module.weight is not None:
-        shape = (1, -1) + (1,) * (x.ndim - 2)
-        y.mul_(module.weight.to(device=y.device, dtype=y.dtype).reshape(shape))
+        w = module.weight.to(device=x.device, dtype=torch.float32).reshape(-1).repeat(b)
         if module.bias is not None:
-            y.add_(module.bias.to(device=y.device, dtype=y.dtype).reshape(shape))
-    return y.to(x.dtype)
+            bias = module.bias.to(device=x.device, dtype=torch.float32).reshape(-1).repeat(b)
+    xv = x.reshape(1, b * c, -1)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        xv = xv.float()
+    y = torch.nn.functional.batch_norm(xv, m, v, w, bias, training=False, eps=module.eps)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def _own_normalize(module: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    """GroupNorm with x's own statistics: the native kernel (the weights cast as ComfyUI's ops cast them)."""
+    w = None if module.weight is None else module.weight.to(device=x.device, dtype=x.dtype)
+    b = None if module.bias is None else module.bias.to(device=x.device, dtype=x.dtype)
+    return torch.nn.functional.group_norm(x, module.num_groups, w, b, module.eps)
 
 
 def _group_sums(x: torch.Tensor, groups: int, w: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -198,8 +207,7 @@ class GroupNormPatch:
             if self._mode == "accumulate":
                 self._add_weighted(k, module, x)
                 if self._base is None:
-                    own_mean, own_var = self._own_stats(module, x)
-                    return _normalize(module, x, own_mean, own_var)
+                    return _own_normalize(module, x)
                 return _normalize(module, x, self._base.mean[k], self._base.var[k])
             mean, var = self._pooled_stats(module, x)
             self._record.mean.append(mean)
@@ -207,10 +215,6 @@ class GroupNormPatch:
             return _normalize(module, x, mean.repeat_interleave(self._n_windows, 0),
                               var.repeat_interleave(self._n_windows, 0))
         return forward
-
-    @staticmethod
-    def _own_stats(module: nn.GroupNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _mean_var(*_group_sums(x, module.num_groups, None))
 
     def _add_weighted(self, k: int, module: nn.GroupNorm, x: torch.Tensor) -> None:
         w = self._weights.to(device=x.device, dtype=torch.float32)
