@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU session in one command: the CUDA-only tests, then the whole suite; everything lands in $OUT.
+#
+#   OUT=out LEVERS_COMMIT=abc1234 bash bench/gpu_run.sh [extra gpu_suite.py arguments]
+#
+# Optional, each used only when present (none is committed; see bench/README.md):
+#   .whl/*.whl        PyPI wheels the machine lacks (bitsandbytes, torchao, comfy-aimdo, ...), put on
+#                     PYTHONPATH through a private --target folder, never into the system site-packages
+#   .comfy/pollockjj  a ComfyUI 0.8-era checkout: the legacy lowvram baseline and PhaseOffload inside ComfyUI
+#   .comfy/yzkee      a ComfyUI 0.15+ checkout: the DynamicVRAM baseline
+#   .comfy/site       import-only stand-ins ComfyUI needs on a bare machine
+# The CUDA tests get at most 150 s; the suite keeps to its own --time-budget (400 s by default).
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+SHA=${LEVERS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+SITE=/tmp/levers-site
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || echo "warning: installing .whl/ failed; the sections that need those wheels will say so"
+fi
+PK=/tmp/levers-pk
+mkdir -p "$PK" && ln -sfn "$PWD" "$PK/comfyui_levers"
+export PYTHONPATH="$PK:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .comfy/site ] && export PYTHONPATH="$PYTHONPATH:$PWD/.comfy/site"
+export PYTHONUNBUFFERED=1
+
+timeout 150 python3 -m pytest tests -q -m cuda -p no:cacheprovider > "$OUT/cuda-tests.log" 2>&1
+echo "cuda tests: exit $? (log in $OUT/cuda-tests.log)"
+tail -3 "$OUT/cuda-tests.log"
+
+ARGS=(--out "$OUT" --commit "$SHA")
+[ -d .comfy/pollockjj ] && ARGS+=(--comfyui .comfy/pollockjj)
+[ -d .comfy/yzkee ] && ARGS+=(--comfyui-dynamic .comfy/yzkee)
+python3 bench/gpu_suite.py "${ARGS[@]}" "$@" 2>&1 | tee "$OUT/suite.log" | grep -E "^\[.*(==|summary|wrote)"
