@@ -41,7 +41,7 @@ FRAMES = 5
 # (PSNR of the final latent against the unquantized run, peak = the reference's max |value|).
 LATENT_PSNR_MIN = {"fp8_e4m3fn": 20.0, "int8": 25.0, "nf4": 10.0}
 TILED_DECODE_PSNR_MIN = 30.0                # 8-bit images, feathered tile seams vs one-shot decode
-LEAK_BOUND_BYTES = 128 * 2 ** 20            # RSS growth allowed over the five measured runs
+LEAK_BOUND_BYTES = 128 * 2 ** 20            # steady RSS growth allowed over the five measured runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +344,10 @@ def test_five_repeated_runs_do_not_leak_and_the_server_stays_healthy(server, run
 
     Each run gets a new nonce, so every Levers node executes again on the cached loader model.
     Measured on 0.8.0/CPU: plain runs jitter by about +-60 MiB, Levers runs plateau after the
-    second; one leaked model copy per run would add ~4 x 113 MiB over the window.
+    second; one leaked model copy per run would add ~4 x 113 MiB over the window. A leak grows the
+    RSS run after run, so the test judges the median step between measured runs (and, to catch a
+    leak that is not steady, twice the bound overall); one late step of the allocator (seen once,
+    +158 MiB on the last run with another suite running alongside, flat before) is not a leak.
     """
     _require(object_info, "LeversQuantizeDiT")
     assert 4 * server.model_bytes > 2 * LEAK_BOUND_BYTES  # a per-run copy leak must clear the bound
@@ -355,8 +358,12 @@ def test_five_repeated_runs_do_not_leak_and_the_server_stays_healthy(server, run
         rss.append(server.rss())
     measured = rss[2:]
     growth = measured[-1] - measured[0]
+    steps = sorted(b - a for a, b in zip(measured, measured[1:]))
+    median_step = (steps[1] + steps[2]) / 2
     mib = [round(r / 2 ** 20) for r in rss]
-    assert growth < LEAK_BOUND_BYTES, f"server RSS grew {growth / 2 ** 20:.0f} MiB over 5 runs (MiB per run: {mib})"
+    assert median_step * 4 < LEAK_BOUND_BYTES and growth < 2 * LEAK_BOUND_BYTES, \
+        f"server RSS grew {growth / 2 ** 20:.0f} MiB over 5 runs, median step {median_step / 2 ** 20:.0f} MiB " \
+        f"(MiB per run: {mib})"
     for latent in latents[1:]:
         assert torch.equal(latent, latents[0])  # repeated runs are deterministic
     stats = server.get("/system_stats")
