@@ -45,7 +45,6 @@ class TilePlan:
         parts = [f"mode={self.mode}", f"batch/pass={self.batch_per_pass}"]
         if self.tile:
             parts.append(f"tile={self.tile[0] * scale}x{self.tile[1] * scale}px overlap={self.overlap * scale}px")
-        if self.tile:
             parts.append(f"tail work={self.work_ratio:.2f}x of untiled")
         if self.chunk_frames:
             parts.append(f"chunk={self.chunk_frames} latent frame(s)")
