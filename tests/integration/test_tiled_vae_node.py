@@ -343,3 +343,23 @@ def test_a_vae_levers_cannot_tile_stands_aside_instead_of_failing(comfy_env):
     ours, report = run_node(comfy_env, latent, vae, memory_budget_gb=1e-6)
     assert "no seamless tiling" in report and "standing aside" in report and "mode=whole" in report, report
     assert torch.equal(ours, ref)
+
+
+def test_hunyuan15_budget_between_a_chunk_and_the_whole_video_picks_its_own_chunks(comfy_env, hunyuan15_vae):
+    """Auto, no sizes given: a budget between one chunk's measured peak and the whole video's makes the node
+    decode in the decoder's own chunks (bit-exact); a budget above the whole video's decodes whole."""
+    from comfyui_levers.bridge.vae import describe_vae, measure_cost
+
+    z = smooth_latent((1, 32, 9, 4, 6), 16)
+    staged, _ = describe_vae(hunyuan15_vae)
+    cost, _, _ = measure_cost(hunyuan15_vae, staged, z)
+    frame_px, n_out = 4 * 6 * 16 * 16, 33
+    whole = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * n_out
+    chunk = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * (n_out / 9) * 2
+    latent = {"samples": z}
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, hunyuan15_vae, memory_budget_gb=(whole + chunk) / 2 / 2 ** 30)
+    assert "mode=temporal" in report and "own calls" in report, report
+    assert ours.shape == ref.shape == (33, 64, 96, 3) and torch.equal(ours, ref)
+    whole_out, report = run_node(comfy_env, latent, hunyuan15_vae, memory_budget_gb=2 * whole / 2 ** 30)
+    assert "mode=whole" in report and torch.equal(whole_out, ref), report
