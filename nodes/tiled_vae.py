@@ -29,26 +29,28 @@ class LeversTiledVAEDecode(io.ComfyNode):
                         "with whole-image statistics so tiles match the untiled decode.",
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (image or video)."),
-                io.Vae.Input("vae", tooltip="The VAE to decode with (its own classes: SD/SDXL/FLUX/SD3 KL, Wan 2.1)."),
+                io.Vae.Input("vae", tooltip="The VAE to decode with. Tiled seamlessly: SD/SDXL/FLUX/SD3 KL, Wan 2.1/2.2, "
+                                           "HunyuanVideo 1.0/1.5; any other VAE runs ComfyUI's own decode."),
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan; its VAE tiling is used for sizes left at 0."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile size in output pixels, as in VAEDecodeTiled. 0 = auto: no tiling when the "
-                                     "whole decode fits, else the largest tiles that fit the budget."),
+                                     "whole decode fits, else tiles that fit the budget with the least recomputed overlap."),
                 io.Int.Input("overlap", default=0, min=0, max=4096, step=8,
                              tooltip="Overlap between tiles in output pixels. 0 = auto: twice the decoder's measured "
                                      "receptive field, which makes tiles exact. Smaller values are blended."),
                 io.Int.Input("temporal_size", default=0, min=0, max=4096, step=4,
                              tooltip="Video only: output frames per chunk. 0 = auto (whole video if it fits, else "
-                                     "one latent frame at a time). Chunks carry the causal cache, so they are exact."),
+                                     "one latent frame at a time, or the decoder's own chunks where it has them). Chunks "
+                                     "carry the causal cache, so they are exact."),
                 io.Int.Input("temporal_overlap", default=0, min=0, max=4096, step=4,
                              tooltip="Accepted for VAEDecodeTiled parity; not needed (chunks are exact), ignored."),
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
                                tooltip="Memory the decode may use, in GB. 0 = 90% of the free memory on the VAE's "
                                        "device after unloading other models."),
                 io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",
-                               tooltip="KL VAEs (SD/SDXL/Flux): where tiled stages get GroupNorm statistics. tiles: "
+                               tooltip="KL VAEs (SD/SDXL/Flux, HunyuanVideo 1.0): where tiled stages get GroupNorm statistics. tiles: "
                                        "pooled over all tiles in one extra pass (accurate); windows: a sample "
-                                       "(faster, less accurate); exact: whole image at once (untiled memory)."),
+                                       "(faster, less accurate; images only); exact: whole image at once (untiled memory)."),
                 io.Boolean.Input("unload_other_models", default=True,
                                  tooltip="Unload the diffusion model and text encoder through ComfyUI's memory "
                                          "manager before decoding (they reload on the next run)."),
