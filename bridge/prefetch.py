@@ -160,6 +160,11 @@ class _Session:
                 self.streamed_ids = set(split.head_modules)
         self._saved: dict[str, Any] = {}
 
+    @property
+    def tails(self) -> frozenset[int]:
+        """Ids of the block tensors ComfyUI loads itself (the tails of split blocks; none without a split)."""
+        return self.split.tail_tensors if self.split is not None else frozenset()
+
     # budget ----------------------------------------------------------------------------------
     def _budget(self, noise) -> float:
         req = self.state.request
@@ -235,7 +240,7 @@ class _Session:
             self.skip_reason = "everything fits the budget: nothing to stream"
             return
         dev = self.patcher.load_device
-        tails = self.split.tail_tensors if self.split is not None else frozenset()
+        tails = self.tails
         on_device = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
         if on_device and torch.device(dev).type != "cpu":
             self.skip_reason = (f"ComfyUI already holds the streamed blocks on {dev} (loaded by another clone "
@@ -265,7 +270,7 @@ class _Session:
         offload device (so they are backed up and undone by ComfyUI, and what streams is patched)."""
         p = self.patcher
         prefix = "diffusion_model."
-        tails = self.split.tail_tensors if self.split is not None else frozenset()
+        tails = self.tails
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
                 if id(param) in tails:
@@ -275,7 +280,7 @@ class _Session:
                     p.patch_weight_to_device(key, device_to=p.offload_device)
 
     def _store(self, transport: Transport) -> HostStore:
-        tails = self.split.tail_tensors if self.split is not None else frozenset()
+        tails = self.tails
         ids = (tuple(id(b) for _, b in self.streamed), tails)
         cached = _STORES.get(self.root)
         if cached is not None and cached[0] == ids:

@@ -146,14 +146,19 @@ class PairsVAE(nn.Module):
                              cache_module=d, new_cache=lambda: [None] * 8)
 
 
+def _toy_case(cls, seed: int, init_seed: int, shape: tuple[int, ...]):
+    """(model, latent, reference): the toy with seeded weights, a seeded latent, and its own decode per sample."""
+    torch.manual_seed(seed)
+    m = _init(cls(), init_seed)
+    z = torch.randn(shape)
+    with torch.no_grad():
+        ref = torch.cat([m.decode(z[i:i + 1]) for i in range(shape[0])], 0)
+    return m, z, ref
+
+
 @pytest.fixture(scope="module")
 def first_chunk():
-    torch.manual_seed(0)
-    m = _init(FirstChunkVAE(), 3)
-    z = torch.randn(1, 4, 5, 10, 12)
-    with torch.no_grad():
-        ref = m.decode(z)
-    return m, z, ref
+    return _toy_case(FirstChunkVAE, 0, 3, (1, 4, 5, 10, 12))
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
@@ -200,12 +205,7 @@ def test_persistent_cache_sets_the_flag_only_while_the_cache_is_empty():
 
 @pytest.fixture(scope="module")
 def pairs():
-    torch.manual_seed(1)
-    m = _init(PairsVAE(), 4)
-    z = torch.randn(2, 4, 5, 6, 8)
-    with torch.no_grad():
-        ref = torch.cat([m.decode(z[i:i + 1]) for i in range(2)], 0)
-    return m, z, ref
+    return _toy_case(PairsVAE, 1, 4, (2, 4, 5, 6, 8))
 
 
 def test_streamed_calls_are_bit_exact_and_report_each_call(pairs):
