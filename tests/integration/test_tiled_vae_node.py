@@ -363,3 +363,15 @@ def test_hunyuan15_budget_between_a_chunk_and_the_whole_video_picks_its_own_chun
     assert ours.shape == ref.shape == (33, 64, 96, 3) and torch.equal(ours, ref)
     whole_out, report = run_node(comfy_env, latent, hunyuan15_vae, memory_budget_gb=2 * whole / 2 ** 30)
     assert "mode=whole" in report and torch.equal(whole_out, ref), report
+
+
+def test_hunyuan_vae_is_untouched_after_tiled_and_chunked_decodes(comfy_env, hunyuan_vae):
+    """The stand-ins, the patched GroupNorms and the streamed conv_out are scoped: afterwards no module keeps an
+    instance-level forward and ComfyUI's own decode gives what it gave before."""
+    latent = {"samples": smooth_latent((1, 16, 2, 16, 16), 17)}
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_vae, latent)[0]
+    run_node(comfy_env, latent, hunyuan_vae, tile_size=64, overlap=48)
+    run_node(comfy_env, latent, hunyuan_vae, temporal_size=8, memory_budget_gb=64)
+    leftovers = [n for n, m in hunyuan_vae.first_stage_model.named_modules() if "forward" in m.__dict__]
+    assert leftovers == []
+    assert torch.equal(comfy_env.nodes.VAEDecode().decode(hunyuan_vae, latent)[0], ref)
