@@ -2025,6 +2025,7 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
         del out
     free_device_memory(dev)
     _vae_auto_third(suite, tiling, sec, staged, z, ref, halo, whole, base, deadline)
+    _vae_layered(suite, tiling, sec, staged, z, ref, whole, base, deadline)
     if not smoke and suite.left(deadline) < 8:
         sec["video"] = {"status": "skipped", "reason": "section deadline"}
         return
@@ -2078,6 +2079,35 @@ def _vae_auto_third(suite: Suite, tiling, sec, staged, z, ref, halo, whole, base
     sec["image_auto_third"] = img
     log(f"  image, auto at 1/3 of the untiled peak: {info.tiles} tiles {plan.tile}, work {img['work_ratio']}x, "
         f"peak ratio {img['peak_ratio']}, time ratio {img['time_ratio']}")
+    del out
+    free_device_memory(dev)
+
+
+def _vae_layered(suite: Suite, tiling, sec, staged, z, ref, whole, base, deadline) -> None:
+    """The layered decode (tail modules one at a time in 8 row bands, exact GroupNorm statistics): what auto runs
+    when the image does not fit whole but the layered peak does. Peak, time and PSNR against the untiled decode."""
+    if not hasattr(tiling, "decode_layered") or (not suite.smoke and suite.left(deadline) < 5):
+        sec["image_layered"] = {"status": "skipped", "reason": "no layered decode in this build or section deadline"}
+        return
+    dev = suite.device
+    img = dict(base)
+    with torch.inference_mode():
+        info = tiling.LayeredStats()
+        run = lambda: tiling.decode_layered(staged.run, staged.tail, z, bands=8, output_device=dev, info=info)
+        run()                                       # warm-up (new shapes, halo probes)
+        info = tiling.LayeredStats()                # the measured run's own counts (``run`` reads ``info`` late)
+        free_device_memory(dev)
+        t0 = time.perf_counter()
+        out, peak = tiling.measure_peak_bytes(run, dev)
+        sync(dev)
+        img["layered_s"] = rnd(time.perf_counter() - t0, 4)
+    img.update({"bands": info.bands, "units": info.units, "passes_per_decode": info.passes,
+                "halo_rows": dict(info.halo_rows), "layered_peak_bytes": peak.peak_bytes,
+                "peak_ratio": rnd(peak.peak_bytes / max(1, whole.peak_bytes), 4),
+                "time_ratio": rnd(img["layered_s"] / max(1e-9, img["untiled_s"]), 3),
+                "psnr_db": rnd(psnr_db(ref, out), 2), "max_abs_diff": rnd(float((out.float() - ref).abs().max()), 5)})
+    sec["image_layered"] = img
+    log(f"  image, layered: peak ratio {img['peak_ratio']}, time ratio {img['time_ratio']}, PSNR {img['psnr_db']} dB")
     del out
     free_device_memory(dev)
 
@@ -2295,6 +2325,11 @@ def build_summary(results: dict) -> dict[str, Any]:
         t_ratio, auto.get("reason") or _section_reason(results, "vae") or "not measured", "<= 1.3",
         None if t_ratio is None else t_ratio <= 1.3, peak_ratio=auto.get("peak_ratio"),
         work_ratio=auto.get("work_ratio"), source="the planner's tiles for a budget of 1/3 of the untiled peak")
+    lay = vae.get("image_layered") or {}
+    summary["layered_vae_vs_untiled"] = _metric(
+        lay.get("time_ratio"), lay.get("reason") or _section_reason(results, "vae") or "not measured", "<= 1.3",
+        None if lay.get("time_ratio") is None else lay["time_ratio"] <= 1.3, peak_ratio=lay.get("peak_ratio"),
+        psnr_db=lay.get("psnr_db"), source="layered decode (exact statistics, 8 row bands), time vs untiled")
 
     # Recommend
     rec = results.get("sections", {}).get("recommend", {})

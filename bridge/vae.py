@@ -3,6 +3,7 @@
 Only this module touches ComfyUI (``comfy.sd.VAE``, ``comfy.model_management``, ``comfy.utils``).
 Supported seamless paths, detected from the model's modules rather than ComfyUI's version:
   * KL decoders (SD 1.x/2.x, SDXL, SD3, Flux, Flux 2): ``comfy.ldm.modules.diffusionmodules.model.Decoder``;
+    layered (tail modules in row bands, exact statistics) when that fits, else spatial tiles;
   * HunyuanVideo 1.0 (the 3-D KL decoder) and 1.5 (``comfy.ldm.hunyuan_video.vae_refiner.Decoder``): time in the
     decoder's own carried-convolution chunks, streamed; spatial tiles;
   * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) and Wan 2.2 VAE (``comfy.ldm.wan.vae2_2.WanVAE``): causal,
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import BudgetExceeded, ConfigError, IncompatibleInput
-from ..core.tiling import (DecodeCost, DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_streamed,
-                           decode_temporal, measure_halo, measure_peak_bytes, plan_decode, run_stem)
+from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, StagedDecoder, TilePlan, decode_layered,
+                           decode_spatial, decode_streamed, decode_temporal, measure_halo, measure_peak_bytes,
+                           plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.overrides import override_forwards
 from .inputs import require_vae
@@ -33,6 +35,7 @@ log = logging.getLogger("levers")
 # node choice -> (core method, passes)
 STATS_CHOICES = {"tiles": ("tiles", 1), "windows": ("windows", 1), "exact": ("exact", 1)}
 GIB = 1024 ** 3
+LAYERED_BANDS = 8        # row bands per module in the layered decode: a few rows recomputed per band
 
 
 @dataclass
@@ -270,6 +273,22 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tup
     return cost, halo, whole.method
 
 
+def layered_supported(staged: StagedDecoder | None, latent: torch.Tensor) -> bool:
+    """The layered decode runs image decoders whose tail is local (KL: no attention above the stem)."""
+    return staged is not None and latent.ndim == 4 and not staged.causal and not staged.streamed
+
+
+def measure_layered(vae, staged: StagedDecoder, latent: torch.Tensor) -> float:
+    """Bytes per output pixel of the layered decode, from a probe decode of a crop (at most 32x32 latent px)."""
+    dev = torch.device(vae.device)
+    s = _spatial_scale(vae)
+    ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
+    probe = latent[:1, :, :ph, :pw].to(dev, vae.vae_dtype)
+    _, m = measure_peak_bytes(lambda: decode_layered(staged.run, staged.tail, probe, bands=LAYERED_BANDS,
+                                                     output_device=dev), dev)
+    return m.peak_bytes / (ph * pw * s * s) * 1.05         # +5%: the probe's bands are shorter than the image's
+
+
 # ------------------------------------------------------------------------------------- memory
 def free_other_models(vae) -> str:
     """Unload every model but this VAE from the VAE's device through ComfyUI's memory manager."""
@@ -338,8 +357,13 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     if own and chunk_frames is not None:
         chunk_frames = staged.own_chunk_frames      # the decoder's own calls; other sizes would cut its state
     cost, halo_px, method = measure_cost(vae, staged, samples)
+    frame_px = samples.shape[-2] * samples.shape[-1] * s * s
+    if not tile and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
+        cost = dataclasses.replace(cost, layered_bytes_per_px=measure_layered(vae, staged, samples))
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
-            f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px; tail receptive field {halo_px:.0f} px")
+            f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px"
+            + (f", layered {cost.layered_bytes_per_px:.0f} B/px" if cost.layered_bytes_per_px else "")
+            + f"; tail receptive field {halo_px:.0f} px")
     try:
         plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
                            tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
@@ -381,6 +405,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
 
     interrupt = mm.throw_exception_if_processing_interrupted
     info = DecodeStats()
+    layered = LayeredStats()
     t0 = time.perf_counter()
 
     def run():
@@ -391,7 +416,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                 outs.append(vae.decode(samples[i:i + plan.batch_per_pass]))      # ComfyUI's own path
                 progress(min(i + plan.batch_per_pass, samples.shape[0]), samples.shape[0])
             return torch.cat(outs, 0)
-        if plan.mode == "temporal" and own:
+        if plan.mode == "layered":
+            out = decode_layered(staged.run, staged.tail, latent, bands=LAYERED_BANDS, output_device=vae.output_device,
+                                 progress=progress, interrupt=interrupt, info=layered)
+        elif plan.mode == "temporal" and own:
             out = decode_streamed(staged.run, staged.stream_module, latent, vae.output_device, progress, interrupt,
                                   total_frames=_out_frames(vae, samples.shape[2]))
         elif plan.mode == "temporal":
@@ -417,6 +445,11 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
             exactness = "exact by construction"
         rep.add(f"{info.tiles} tiles; {stats_note}; {exactness}")
         rep.add("time by phase: " + ", ".join(f"{k} {v:.2f} s" for k, v in info.phase_s.items()))
+    if plan.mode == "layered":
+        halos = ", ".join(f"{k} {v}" for k, v in sorted(layered.halo_rows.items()))
+        rep.add(f"layered: {layered.units} modules in up to {layered.bands} row bands, {layered.passes} module passes "
+                f"(statistics passes included); rows of context per band: {halos}; exact GroupNorm statistics"
+                + ("" if settings.stats == "tiles" else f" (groupnorm_stats={settings.stats} applies to tiles only)"))
     if peak is not None:
         rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB, measured {peak.peak_bytes / GIB:.3f} GiB "
                 f"({peak.method})")

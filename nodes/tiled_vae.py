@@ -25,8 +25,10 @@ class LeversTiledVAEDecode(io.ComfyNode):
             display_name="TiledVAEDecode",
             category="Levers",
             description="VAEDecode that never runs out of memory: measures the VAE's real decode cost, unloads other "
-                        "models, decodes whole when it fits, else in the largest tiles / temporal chunks that fit, "
-                        "with whole-image statistics so tiles match the untiled decode.",
+                        "models, decodes whole when it fits; else (SD/SDXL/FLUX images) layered, its high-resolution "
+                        "stages module by module in row bands with exact statistics, when that fits; else in the "
+                        "largest tiles / temporal chunks that fit, with whole-image statistics so tiles match the "
+                        "untiled decode.",
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (image or video)."),
                 io.Vae.Input("vae", tooltip="The VAE to decode with. Tiled seamlessly: SD/SDXL/FLUX/SD3 KL, Wan 2.1/2.2, "
@@ -34,7 +36,8 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan; its VAE tiling is used for sizes left at 0."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile size in output pixels, as in VAEDecodeTiled. 0 = auto: no tiling when the "
-                                     "whole decode fits, else tiles that fit the budget with the least recomputed overlap."),
+                                     "whole decode fits, else a layered decode (KL images) when it fits, else tiles "
+                                     "that fit the budget with the least recomputed overlap."),
                 io.Int.Input("overlap", default=0, min=0, max=4096, step=8,
                              tooltip="Overlap between tiles in output pixels. 0 = auto: twice the decoder's measured "
                                      "receptive field, which makes tiles exact. Smaller values are blended."),

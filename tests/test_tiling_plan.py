@@ -151,3 +151,20 @@ def test_overlap_only_counts_along_the_axis_that_is_cut():
     assert len(make_grid(8, 36, p.tile, p.overlap, 16)) == 2
     with pytest.raises(ConfigError, match="overlap"):
         plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, tile=32, overlap=32)
+
+
+def test_layered_between_whole_and_tiles():
+    """An image that does not fit whole decodes layered when that fits (exact, no recomputed tiles); below the
+    layered peak the planner tiles; a user tile size or a video latent never picks it."""
+    import dataclasses
+    cost = dataclasses.replace(COST, layered_bytes_per_px=2000.0)
+    px = 512 * 512
+    p = plan_decode((2, 16, 64, 64), 8, cost, budget_bytes=3000 * px)
+    assert p.mode == "layered" and p.exact and p.tile is None and p.predicted_peak_bytes == 2000 * px
+    assert "row bands" in p.reason and "mode=layered" in p.describe(8)
+    assert plan_decode((1, 16, 64, 64), 8, cost, budget_bytes=1900 * px).mode == "spatial"
+    assert plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=3000 * px).mode == "spatial"      # not measured
+    assert plan_decode((1, 16, 64, 64), 8, cost, budget_bytes=3000 * px, tile=32).mode == "spatial"
+    assert plan_decode((2, 16, 64, 64), 8, cost, budget_bytes=4001 * px).mode == "whole"        # batch slicing
+    assert plan_decode((1, 16, 3, 64, 64), 8, cost, budget_bytes=3000 * px,
+                       temporal_supported=False).mode == "spatial"

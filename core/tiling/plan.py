@@ -23,6 +23,7 @@ class DecodeCost:
     stem_bytes_per_px: float = 0.0     # the whole-image stem pass, per output pixel
     stored_bytes_per_px: float = 0.0   # stem output kept while tiles run, per output pixel (per latent frame)
     output_bytes_per_px: float = 0.0   # decoded frames accumulated on the device by the whole path, per frame
+    layered_bytes_per_px: float = 0.0  # the layered decode (tail modules in row bands), per output px; 0 = n/a
     method: str = ""                   # how the numbers were measured
 
 
@@ -30,7 +31,7 @@ class DecodeCost:
 class TilePlan:
     """What the decode will do. Tile sizes and overlaps are in latent units."""
 
-    mode: str                          # "whole" | "temporal" | "spatial"
+    mode: str                          # "whole" | "layered" | "temporal" | "spatial"
     batch_per_pass: int
     tile: tuple[int, int] | None
     overlap: int
@@ -72,7 +73,8 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
     temporal chunk (None = auto: ``auto_chunk_frames``, the smallest chunk the decoder can run
     exactly). out_frames: decoded frames for a video latent (None = T). tile_out_frames: output frames
     a video tile keeps on the device until it ends (a decoder that runs all frames of a tile in one call).
-    Auto never tiles when the whole decode fits.
+    Auto never tiles when the whole decode fits. For an image that does not fit whole, the layered decode
+    (``cost.layered_bytes_per_px`` > 0) comes before tiles: it is exact and recomputes only a few rows.
     """
     if len(latent_shape) not in (4, 5):
         raise ConfigError("samples", tuple(latent_shape), "a 4-D [B, C, H, W] or 5-D [B, C, T, H, W] latent")
@@ -116,6 +118,12 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
             if b_fit >= 1 and tile is None:
                 return TilePlan("whole", min(b, b_fit), None, 0, None, whole_peak(min(b, b_fit)), budget,
                                 f"one image fits, {b} do not: decoding {min(b, b_fit)} at a time (batch slicing)")
+            layered = int(cost.layered_bytes_per_px * frame_px)
+            if tile is None and cost.layered_bytes_per_px > 0 and layered <= budget:
+                return TilePlan("layered", 1, None, 0, None, layered, budget,
+                                f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: the high-resolution stages "
+                                "run module by module in row bands with exact whole-image GroupNorm statistics "
+                                "(the untiled result up to float rounding; no recomputed tiles)")
         if tile is not None:
             return TilePlan("whole", 1 if video else b, None, 0, None, whole_peak(1 if video else b), budget,
                             f"tile_size covers the whole {h * scale}x{w * scale}px frame: no tiling")

@@ -98,6 +98,25 @@ def test_kl_budget_picks_tiles_that_fit(comfy_env, kl_vae):
     assert p >= p_comfy + 5 and p >= 28, report
 
 
+def test_kl_budget_just_below_the_whole_decode_runs_layered_and_exact(comfy_env, kl_vae):
+    """A budget under the whole decode but above the layered decode's measured peak: the high-resolution
+    stages run module by module in row bands with exact GroupNorm statistics, so the output is VAEDecode's up
+    to float rounding (tiles would estimate the statistics), and the live tensors peak lower than VAEDecode's."""
+    from comfyui_levers.core.tiling import measure_peak_bytes
+
+    latent = {"samples": smooth_latent((1, 16, 40, 40), 2)}
+    ref, whole = measure_peak_bytes(lambda: comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0], "cpu")
+    (ours, report), layered = measure_peak_bytes(
+        lambda: run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.055, unload_other_models=False), "cpu")
+    assert "mode=layered" in report and "exact GroupNorm statistics" in report, report
+    assert "ResnetBlock 2" in report and "Upsample 1" in report, report      # rows of context, measured
+    p = psnr(ours, ref)
+    print(f"\nKL layered, budget 0.055 GB: {p:.1f} dB; live-tensor peak {layered.peak_bytes / 2**20:.1f} MiB "
+          f"(node run, probes included) vs VAEDecode {whole.peak_bytes / 2**20:.1f} MiB\n{report}")
+    assert p >= 90, report
+    assert layered.peak_bytes < whole.peak_bytes, (layered.peak_bytes, whole.peak_bytes)
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     return tiny_wan.load_vae()
