@@ -119,3 +119,12 @@ def test_bad_input_is_refused(kl, kw, latent):
     m = kl[0]
     with pytest.raises(ConfigError):
         decode_layered(m.decode, m.staged().tail, torch.zeros(latent), **kw)
+
+
+def test_report_names_each_modules_context_on_every_decode(kl):
+    """The margins are measured once per module and cached; every decode's stats still list them."""
+    m, z, _ = kl
+    for _ in range(2):
+        info = LayeredStats()
+        decode_layered(m.decode, m.staged().tail, z[:1], info=info)
+        assert info.halo_rows == {"Res": 2, "Up": 1, "Conv2d": 1}

@@ -130,8 +130,8 @@ class BandedUnit:
         if self.halo is None:
             self.halo = measure_unit_halo(self.original, self.norms, x, args, kwargs)
             _HALO_CACHE[self.module] = self.halo
-            self.info.halo_rows[type(self.module).__name__] = max(self.info.halo_rows.get(type(self.module).__name__, 0),
-                                                                   self.halo)
+        name = type(self.module).__name__
+        self.info.halo_rows[name] = max(self.info.halo_rows.get(name, 0), self.halo)
         rows = x.shape[-2]
         n = min(self.n_bands, max(1, rows // max(1, 4 * self.halo + 1)))
         bands = _bands(rows, n)
