@@ -146,14 +146,19 @@ def naive_tiles(m: ToyKL, z: torch.Tensor, tile: int, overlap: int) -> torch.Ten
     return out
 
 
-@pytest.fixture(scope="module")
-def kl():
+def toy_kl_case(latent_shape=(1, 4, 24, 24)):
+    """(the toy KL decoder, a random latent, its untiled decode)."""
     torch.manual_seed(3)
     m = _init(ToyKL(), 7)
-    z = torch.randn(1, 4, 24, 24)
+    z = torch.randn(latent_shape)
     with torch.no_grad():
         ref = m.decode(z)
     return m, z, ref
+
+
+@pytest.fixture(scope="module")
+def kl():
+    return toy_kl_case()
 
 
 def test_kl_full_statistics_is_exact(kl):

@@ -10,17 +10,12 @@ from comfyui_levers.core.errors import ConfigError
 from comfyui_levers.core.tiling import LayeredStats, decode_layered, decode_whole, measure_peak_bytes
 from comfyui_levers.core.tiling.layered import BandedUnit, measure_unit_halo, _UnitNorms
 from comfyui_levers.core.tiling.overrides import find_group_norms
-from test_tiling_decode import Res, ToyKL, Up, _init
+from test_tiling_decode import Res, ToyKL, Up, _init, toy_kl_case
 
 
 @pytest.fixture(scope="module")
 def kl():
-    torch.manual_seed(3)
-    m = _init(ToyKL(), 7)
-    z = torch.randn(2, 4, 24, 32)
-    with torch.no_grad():
-        ref = m.decode(z)
-    return m, z, ref
+    return toy_kl_case((2, 4, 24, 32))
 
 
 def test_layered_matches_untiled_to_float_rounding(kl):
@@ -128,3 +123,4 @@ def test_report_names_each_modules_context_on_every_decode(kl):
         info = LayeredStats()
         decode_layered(m.decode, m.staged().tail, z[:1], info=info)
         assert info.halo_rows == {"Res": 2, "Up": 1, "Conv2d": 1}
+
