@@ -6,6 +6,8 @@ Supported seamless paths, detected from the model's modules rather than ComfyUI'
     layered (tail modules in row bands, exact statistics) when that fits, else spatial tiles;
   * HunyuanVideo 1.0 (the 3-D KL decoder) and 1.5 (``comfy.ldm.hunyuan_video.vae_refiner.Decoder``): time in the
     decoder's own carried-convolution chunks, streamed; spatial tiles;
+  * LTX-Video VAE (``comfy.ldm.lightricks.vae.causal_video_autoencoder.VideoVAE``): spatial tiles, all frames per
+    tile (the decoder is not causal; on 0.33 it chunks time itself inside each call);
   * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) and Wan 2.2 VAE (``comfy.ldm.wan.vae2_2.WanVAE``): causal,
     temporal chunks with the feature cache carried + spatial tiles. ComfyUI 0.33's Wan 2.1 decoder walks the
     frames in its own chunks (first frame, then pairs); its temporal chunks are those calls (``decode_streamed``).
@@ -87,6 +89,8 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
     if _is_hunyuan15_decoder(dec):
         return _hunyuan15(fsm, dec), ("HunyuanVideo 1.5 VAE: middle block (attention) whole, upsampling stages "
                                       "tiled (per-pixel RMS norms: exact); time in the decoder's own causal chunks")
+    if _is_ltx_decoder(dec):
+        return _ltx(fsm, dec)
     if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
         weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 5:
@@ -186,6 +190,72 @@ def _hunyuan15(fsm, dec) -> StagedDecoder:
                          own_chunk_frames=2)
 
 
+def _is_ltx_decoder(dec) -> bool:
+    """ComfyUI's LTX-Video decoder (``comfy.ldm.lightricks.vae.causal_video_autoencoder.Decoder``): residual
+    stages and depth-to-space upsamplers, no attention, per-pixel norms (or GroupNorm), a patchified head."""
+    return dec is not None and "lightricks" in type(dec).__module__ and all(
+        hasattr(dec, a) for a in ("conv_in", "up_blocks", "conv_norm_out", "conv_out", "patch_size"))
+
+
+class _FrameCollector:
+    """Stands in for the output buffer ComfyUI 0.33's LTX decoder writes its frames into
+    (``output_buffer[:, :, a:b].copy_(frames)``): keeps each piece, in order, for the tile that is running."""
+
+    def __init__(self):
+        self.pieces: list[torch.Tensor] = []
+
+    def __getitem__(self, index):
+        return self
+
+    def copy_(self, frames: torch.Tensor):
+        self.pieces.append(frames)
+        return self
+
+
+def _no_frames(x, *args, **kwargs):
+    """Stem run: the first tail module returns no frames, so a chunked decoder skips the rest of each chunk."""
+    return x[:, :, :0]
+
+
+def _stop(x, *args, **kwargs):
+    """Stem run: the head is not reached with stem-shaped data (its timestep scale/shift has the head's width)."""
+    from ..core.tiling.overrides import StopDecode
+    raise StopDecode
+
+
+def _ltx(fsm, dec) -> tuple[StagedDecoder | None, str]:
+    """LTX-Video: the stem is ``conv_in`` and the stages up to the last spatial upsampler; the tail is that
+    upsampler, the stages after it and the head, run per tile on all frames at once (the decoder is not causal in
+    time; on 0.33 it chunks time itself inside each call). Its norms are per pixel (or GroupNorm, pooled over
+    tiles); the timestep conditioning is global. Its ``decode`` adds noise to the whole latent once, which the
+    stem run does, so tiles share it. Decoders that inject spatial noise inside their blocks (LTX 0.9.1) are left
+    to ComfyUI: each tile would draw its own."""
+    if any(getattr(m, "inject_noise", False) for m in dec.modules()):
+        return None, ("LTX decoder that injects random spatial noise in its blocks (LTX-Video 0.9.1): each tile "
+                      "would draw its own noise")
+    ups = [i for i, b in enumerate(dec.up_blocks)
+           if type(b).__name__ == "DepthToSpaceUpsample" and tuple(getattr(b, "stride", (1, 1, 1)))[1] > 1]
+    if not ups or ups[-1] < 1:
+        return None, "LTX decoder without a spatial upsampler after its first stage"
+    last = ups[-1]
+    stem = [dec.conv_in] + list(dec.up_blocks[:last - 1])
+    tail = list(dec.up_blocks[last:]) + [dec.conv_norm_out, dec.conv_out]
+    chunked = "output_buffer" in inspect.signature(fsm.decode).parameters
+
+    def run(z):
+        if not chunked:
+            return fsm.decode(z)
+        frames = _FrameCollector()
+        out = fsm.decode(z, output_buffer=frames)
+        return torch.cat(frames.pieces, 2) if frames.pieces else out
+
+    staged = StagedDecoder(run=run, stem=stem, boundary=dec.up_blocks[last - 1], tail=tail,
+                           stem_run_stand_ins={dec.up_blocks[last]: _no_frames, dec.conv_norm_out: _stop},
+                           whole_frames=True)
+    return staged, ("LTX-Video VAE: stages up to the last spatial upsampler run whole, the rest tiled (all frames "
+                    "per tile" + ("; the decoder chunks time itself" if chunked else "") + ")")
+
+
 def _is_wan_decoder(fsm, dec) -> bool:
     """Wan's causal 3-D decoder (2.1 and 2.2), by its shape: conv1 -> middle (res, attention, res) ->
     upsamples -> head, called with a ``feat_cache`` list, and a 1x1x1 ``conv2`` before it."""
@@ -264,13 +334,24 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tup
 
     _, tail_m = measure_peak_bytes(tail, dev)
     tile_px = frame_px
-    cost = DecodeCost(whole_bytes_per_px=whole_bpp,
-                      tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1,      # +10%: blend + weights
-                      stem_bytes_per_px=stem_m.peak_bytes / frame_px,
+    # a decoder that runs all frames at once (LTX on 0.8) costs in proportion to the frames; one that chunks time
+    # itself (LTX on 0.33) costs about one chunk, which the probe's frames cover
+    per_video = 1.0
+    if staged.whole_frames:
+        per_video = 1.0 if _chunks_time_itself(vae) else latent.shape[2] / probe.shape[2]
+    cost = DecodeCost(whole_bytes_per_px=whole_bpp * per_video,
+                      tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1 * per_video,   # +10%: blend + weights
+                      stem_bytes_per_px=stem_m.peak_bytes / frame_px * (latent.shape[2] / probe.shape[2]
+                                                                         if staged.whole_frames else 1.0),
                       stored_bytes_per_px=stem_out.numel() * stem_out.element_size() / frame_px
-                      / (stem_out.shape[2] if stem_out.ndim == 5 else 1),
+                      / ((probe.shape[2] if staged.whole_frames else stem_out.shape[2]) if stem_out.ndim == 5 else 1),
                       output_bytes_per_px=out_bpp, method=whole.method)
     return cost, halo, whole.method
+
+
+def _chunks_time_itself(vae) -> bool:
+    """LTX on ComfyUI 0.33 walks the frames in chunks sized from the card and writes them to an output buffer."""
+    return "output_buffer" in inspect.signature(vae.first_stage_model.decode).parameters
 
 
 def layered_supported(staged: StagedDecoder | None, latent: torch.Tensor) -> bool:
@@ -353,6 +434,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     tsize = settings.temporal_size or ((plan_tiling.temporal_frames or 0) if plan_tiling is not None else 0)
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
+    all_frames = video and staged is not None and (staged.streamed or staged.whole_frames)
     chunk_frames = max(1, tsize // t_compress) if (tsize and video) else None
     if own and chunk_frames is not None:
         chunk_frames = staged.own_chunk_frames      # the decoder's own calls; other sizes would cut its state
@@ -371,7 +453,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                            temporal_supported=staged is not None and (staged.causal or staged.streamed),
                            out_frames=_out_frames(vae, samples.shape[2]) if video else None,
                            auto_chunk_frames=staged.own_chunk_frames if own else 1,
-                           tile_out_frames=_out_frames(vae, samples.shape[2]) if own else 0)
+                           tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
     except BudgetExceeded as exc:
         if staged is not None:
             raise
@@ -385,12 +467,17 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     if plan.mode == "temporal" and own:
         rep.add(f"the decoder walks the frames in its own chunks ({staged.own_chunk_frames} latent frames, carrying "
                 "its causal state): chunks are its own calls, run unchanged; each call's frames leave the device")
-    if plan.mode == "spatial" and own:
-        # the decoder's own chunks carry state a different chunking would cut: one native decode call per tile
+    if plan.mode == "spatial" and all_frames:
+        # the decoder's own chunks carry state a different chunking would cut, or it is not causal (LTX): one
+        # native decode call per tile
         plan = dataclasses.replace(plan, chunk_frames=samples.shape[2])
-        rep.add("the decoder walks the frames in its own chunks: each tile decodes all frames in one call")
+        rep.add("each tile decodes all frames in one call of the decoder" +
+                (" (which walks them in its own chunks)" if own or _chunks_time_itself(vae) else ""))
     rep.add("plan: " + plan.describe(s))
     rep.add("why: " + plan.reason)
+    if video and tsize and staged is not None and staged.whole_frames:
+        rep.add("temporal_size ignored: this decoder is not causal in time, so each tile decodes all frames in one "
+                "call" + (" (the decoder chunks time itself)" if _chunks_time_itself(vae) else ""))
     if video and settings.temporal_overlap:
         rep.add("temporal_overlap ignored: chunks carry the causal cache, so they need no overlap")
 

@@ -16,6 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from comfyui_levers.core.errors import ConfigError
+from comfyui_levers.core.tiling.overrides import StopDecode
 from comfyui_levers.core.tiling import (DecodeStats, StagedDecoder, TilePlan, decode_spatial, decode_temporal,
                                         decode_whole, measure_halo, measure_peak_bytes, override_forwards, run_stem)
 
@@ -406,3 +407,58 @@ def test_decode_reports_time_by_phase(kl):
     info2 = DecodeStats()
     decode_spatial(m.staged(), z, spatial_plan(18, 10), out_scale=4, info=info2)       # halo measured
     assert set(info2.phase_s) == {"stem", "halo", "stats", "tiles"}
+
+
+# --------------------------------------------------------------------------------------- non-causal video (LTX)
+class PixelNorm(nn.Module):
+    def forward(self, x):
+        return x / torch.sqrt((x * x).mean(1, keepdim=True) + 1e-6)
+
+
+class ToyLTX(nn.Module):
+    """A non-causal video decoder shaped like LTX's: the stem doubles the frames, the tail upsamples space,
+    and the head scales by a vector of the head's width (which stem-shaped data cannot pass through)."""
+
+    def __init__(self, z=4, c=8):
+        super().__init__()
+        self.conv_in = nn.Conv3d(z, 2 * c, 3, padding=1)
+        self.mid = nn.Conv3d(2 * c, 2 * c, 3, padding=1)
+        self.up = nn.Conv3d(2 * c, c, 3, padding=1)
+        self.norm = PixelNorm()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, c))
+        self.conv_out = nn.Conv3d(c, 3, 3, padding=1)
+
+    def decode(self, z):
+        h = self.conv_in(z).repeat_interleave(2, dim=2)                      # time x2 in the stem
+        h = self.mid(h)
+        h = self.up(F.interpolate(h, scale_factor=(1, 2, 2), mode="nearest"))
+        h = F.silu(self.norm(h)) * self.scale[None, :, None, None, None]
+        return self.conv_out(h)
+
+    def staged(self, whole_frames=True) -> StagedDecoder:
+        def stop(*a, **k):
+            raise StopDecode
+        return StagedDecoder(run=self.decode, stem=[self.conv_in], boundary=self.mid, tail=[self.up, self.norm,
+                             self.conv_out], stem_run_stand_ins={self.norm: stop}, whole_frames=whole_frames)
+
+
+def test_non_causal_video_tiles_decode_all_frames_and_match():
+    """The stem changes the number of frames, so the boundary's stand-in returns all stem frames
+    (``whole_frames``); the stem run ends before the head (``stem_run_stand_ins``)."""
+    torch.manual_seed(0)
+    m = _init(ToyLTX(), 2)
+    z = torch.randn(1, 4, 3, 12, 16)
+    with torch.no_grad():
+        ref = m.decode(z)
+    staged = m.staged()
+    stem = run_stem(staged, z)
+    assert stem.shape == (1, 16, 6, 12, 16)                                  # captured before the head stopped it
+    halo = measure_halo(staged, stem, out_per_stem=2)
+    assert halo == 2                                                          # up (1 px at x2) + conv_out (1 px)
+    plan = TilePlan("spatial", 1, (8, 8), math.ceil((2 * halo + 1) / 2), 3, 0, 1, "test")
+    out = decode_spatial(staged, z, plan, out_scale=2, halo_px=halo)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    # without it the stand-in's frame indices select the latent's 3 frames of the stem's 6: half the video
+    bad = decode_spatial(m.staged(whole_frames=False), z, plan, out_scale=2, halo_px=halo)
+    assert bad.shape[2] == 3 != ref.shape[2]

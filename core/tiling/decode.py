@@ -35,8 +35,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from .layout import make_grid
-from .overrides import GroupNormPatch, GroupNormStats, find_group_norms, override_forwards, pass_through, \
-    persistent_cache
+from .overrides import GroupNormPatch, GroupNormStats, StopDecode, find_group_norms, override_forwards, \
+    pass_through, persistent_cache
 from .plan import TilePlan
 
 Progress = Callable[[int, int], None]
@@ -60,6 +60,11 @@ class StagedDecoder:
     chunks of its own, carrying its causal state between them (ComfyUI's HunyuanVideo and 0.33 Wan
     decoders): a module called once per chunk with that chunk's output frames, and the latent frames
     one steady-state chunk covers. Its exact temporal chunks are those calls (``decode_streamed``).
+    stem_run_stand_ins: for tail modules, what they do in the stem run instead of passing their input
+    through (a decoder whose head cannot take the stem output: end the run early with ``StopDecode``, or
+    return no frames so a chunked decoder skips the rest of each chunk).
+    whole_frames: a video decoder that is not causal (LTX): every tile run decodes all frames at once, so the
+    boundary's stand-in returns all stem frames (the stand-in latent cannot carry frame indices through it).
     """
 
     run: Callable[[torch.Tensor], torch.Tensor]
@@ -74,6 +79,8 @@ class StagedDecoder:
     stand_ins: dict = field(default_factory=dict)
     stream_module: nn.Module | None = None
     own_chunk_frames: int = 0
+    stem_run_stand_ins: dict = field(default_factory=dict)
+    whole_frames: bool = False
 
     def __post_init__(self):
         if not self.tail_norms:
@@ -124,8 +131,9 @@ def _frames_dummy(latent: torch.Tensor, frames: slice | None = None) -> torch.Te
 class _StemProvider:
     """The boundary module's stand-in: returns the crop of the stored stem output for the current tile."""
 
-    def __init__(self, stem_out: torch.Tensor):
+    def __init__(self, stem_out: torch.Tensor, whole_frames: bool = False):
         self.stem_out = stem_out           # [B, C, (T,) Hs, Ws]
+        self.whole_frames = whole_frames
         self.batch = slice(None)
         self.rows = slice(None)
         self.cols = slice(None)
@@ -136,7 +144,7 @@ class _StemProvider:
             src = self.windows
         else:
             src = self.stem_out[self.batch][..., self.rows, self.cols]
-        if src.ndim == 5:
+        if src.ndim == 5 and not self.whole_frames:
             # the stand-in latent carries frame indices through the skipped stem modules
             frames = x[0, 0, :, 0, 0].round().long()
             src = src[:, :, int(frames[0]):int(frames[-1]) + 1]
@@ -157,9 +165,13 @@ def run_stem(staged: StagedDecoder, latent: torch.Tensor) -> torch.Tensor:
         return out
 
     repl = {m: pass_through for m in staged.tail}
+    repl.update(staged.stem_run_stand_ins)
     repl[staged.boundary] = capture
     with torch.inference_mode(), override_forwards(repl):
-        staged.run(latent)
+        try:
+            staged.run(latent)
+        except StopDecode:
+            pass
     if not captured:
         raise RuntimeError("the boundary module never ran: the decoder does not match the staged description")
     return captured[0] if len(captured) == 1 else torch.cat(captured, dim=2)
@@ -170,7 +182,7 @@ class _TailRunner:
 
     def __init__(self, staged: StagedDecoder, stem_out: torch.Tensor):
         self.staged = staged
-        self.provider = _StemProvider(stem_out)
+        self.provider = _StemProvider(stem_out, staged.whole_frames)
         self.norms = GroupNormPatch(staged.tail_norms)
 
     def replacements(self) -> dict:

@@ -394,3 +394,79 @@ def test_hunyuan_vae_is_untouched_after_tiled_and_chunked_decodes(comfy_env, hun
     leftovers = [n for n, m in hunyuan_vae.first_stage_model.named_modules() if "forward" in m.__dict__]
     assert leftovers == []
     assert torch.equal(comfy_env.nodes.VAEDecode().decode(hunyuan_vae, latent)[0], ref)
+
+
+def ltx_vae(timestep_conditioning: bool, inject_noise: bool = False):
+    """A small LTX-Video VAE of ComfyUI's own class (``VideoVAE`` from a config in the file's metadata, as
+    ComfyUI loads LTX checkpoints): the LTX-Video 0.9.5 layout (residual stages, three depth-to-space upsamplers,
+    per-pixel norms, patch 4) with one layer per stage. ComfyUI 0.8.0 fixes the decoder width at 128; 0.33 takes
+    ``decoder_base_channels``."""
+    import json
+    import comfy.sd
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+
+    res = ["res_x", {"num_layers": 1, "inject_noise": inject_noise}]
+    up = ["compress_all", {"residual": True}]
+    cfg = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128, "decoder_base_channels": 16,
+           "encoder_base_channels": 16, "decoder_blocks": [res, up, res, up, res, up, res],
+           "encoder_blocks": [["res_x", {"num_layers": 1}], ["compress_all", {}]] * 3 + [["res_x", {"num_layers": 1}]],
+           "scaling_factor": 1.0, "norm_layer": "pixel_norm", "patch_size": 4, "latent_log_var": "uniform",
+           "use_quant_conv": False, "causal_decoder": False, "timestep_conditioning": timestep_conditioning}
+    with torch.device("meta"):
+        m = VideoVAE(config=cfg)
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in m.state_dict().items()}, seed=6)
+    return comfy.sd.VAE(sd=sd, metadata={"config": json.dumps({"vae": cfg})})
+
+
+def test_ltx_spatial_tiles_are_exact(comfy_env):
+    """LTX-Video: the stages up to the last spatial upsampler run whole, the rest per tile on all frames; its
+    norms are per pixel, so tiles whose overlap covers the tail's receptive field are exact."""
+    vae = ltx_vae(False)
+    latent = {"samples": smooth_latent((1, 128, 2, 4, 16), 8)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, vae, tile_size=256)
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(vae, latent, 256, 64, 64, 8)[0]
+    assert "mode=spatial" in report and "LTX" in report and ours.shape == ref.shape == (9, 128, 512, 3), report
+    p, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
+    print(f"\nLTX tiles (256 px): Levers {p:.1f} dB, VAEDecodeTiled (256 / 64) {p_comfy:.1f} dB\n{report}")
+    assert p >= 60 and p >= p_comfy + 10, report
+
+
+def _without_decode_noise(vae):
+    """LTX's decode adds fresh random noise to the latent when the decoder is timestep-conditioned; switched off
+    here (0.33: ``decode_noise_scale``; 0.8.0: the ``noise_scale`` argument) so two decodes can be compared."""
+    import functools
+
+    fsm = vae.first_stage_model
+    if hasattr(fsm, "decode_noise_scale"):
+        fsm.decode_noise_scale = 0.0
+    else:
+        fsm.decode = functools.partial(fsm.decode, noise_scale=0.0)
+    return vae
+
+
+def test_ltx_timestep_conditioned_auto_tiles_are_exact(comfy_env):
+    """The LTX-Video 0.9.5+ decoder (timestep-conditioned head and stages): a budget of 60% of VAEDecode's
+    measured peak gives auto tiles that fit, exact. The stem run stops before the head (whose scale and shift have
+    the head's width, not the stem's)."""
+    from comfyui_levers.core.tiling import measure_peak_bytes
+
+    vae = _without_decode_noise(ltx_vae(True))
+    latent = {"samples": smooth_latent((1, 128, 2, 4, 16), 9)}
+    ref, whole = measure_peak_bytes(lambda: comfy_env.nodes.VAEDecode().decode(vae, latent)[0], "cpu")
+    budget = 0.6 * whole.peak_bytes / 1024 ** 3
+    ours, report = run_node(comfy_env, latent, vae, memory_budget_gb=budget)
+    assert "mode=spatial" in report and "tiles;" in report and "exact by construction" in report, report
+    p = psnr(ours, ref)
+    print(f"\nLTX (timestep-conditioned), auto at 60% of VAEDecode's peak: {p:.1f} dB\n{report}")
+    assert p >= 60, report
+
+
+def test_ltx_with_injected_noise_stands_aside(comfy_env):
+    """LTX-Video 0.9.1 injects random spatial noise inside its blocks: every tile would draw its own, so Levers
+    runs ComfyUI's decode and says why."""
+    vae = ltx_vae(False, inject_noise=True)
+    latent = {"samples": smooth_latent((1, 128, 2, 4, 6), 10)}
+    img, report = run_node(comfy_env, latent, vae, memory_budget_gb=0.001)
+    assert "injects random spatial noise" in report and "standing aside" in report, report
+    assert img.shape == (9, 128, 192, 3)
