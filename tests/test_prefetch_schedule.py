@@ -197,7 +197,8 @@ def test_quantized_bytes_stream_as_quantized_bytes():
     m = make_flux(fp8_single=True)
     fp8_bytes = sum(b.linear1.weight.numel() for b in m.single_blocks)   # 1 byte each
     tr = _rec()
-    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG), tr, bandwidth=0)
+    # whole blocks, none resident: every byte streams (split blocks would keep most of them resident in this budget)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0)
     try:
         arena = h.store.arenas[torch.float8_e4m3fn]
         assert fp8_bytes <= arena.numel() < fp8_bytes + 64 * len(m.single_blocks)
@@ -286,6 +287,47 @@ def test_split_blocks_stream_fewer_bytes_in_the_same_budget_bit_identical(make, 
         h.remove()
     with torch.no_grad():
         assert torch.equal(m(*x), ref)     # removed: the plain module again
+
+
+@pytest.mark.parametrize("make,inputs", [(make_wan, wan_inputs), (lambda: make_flux(fp8_single=True), flux_inputs)])
+def test_split_plan_spends_the_budget_a_common_cap_leaves_over(make, inputs, monkeypatch):
+    """One cap for every block moves in steps of one tensor per block; the leftover budget then keeps single
+    tensors of some blocks resident, so fewer bytes stream in the same budget, bit-identical."""
+    from comfyui_levers.core.residency import prefetch as engine
+
+    m = make()
+    x = inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    with monkeypatch.context() as mp:
+        mp.setattr(engine, "_fill_split", lambda store, cuts, d, spare: tuple(cuts))
+        probe = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, _tight(m, _rec())), _rec(), bandwidth=0)
+        heads = [probe.store.head_bytes(b) for b in range(probe.store.n_blocks)]
+        step = max(heads[b][k] - heads[b][k - 1] for b, k in enumerate(probe.plan.cuts) if k)
+        # room for two or three more tensors, far less than one more tensor in every block (the next common cap)
+        budget = probe.plan.device_bytes + int(2.5 * step)
+        probe.remove()
+        capped = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget), _rec(), bandwidth=0)
+        capped_plan = capped.plan
+        capped.remove()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget), _rec(), bandwidth=0)
+    try:
+        p = h.plan
+        assert p.split and capped_plan.split
+        assert p.streamed_bytes < capped_plan.streamed_bytes
+        assert capped_plan.device_bytes < p.device_bytes <= budget
+        # what is left is smaller than any tensor that could still move (or the stream is at its minimum)
+        heads = [h.store.head_bytes(b) for b in range(h.store.n_blocks)]
+        steps = [heads[b][k] - heads[b][k - 1] for b, k in enumerate(p.cuts) if k > 1]
+        assert not steps or budget - p.device_bytes < min(steps)
+        assert sum(p.cuts) < sum(capped_plan.cuts)                    # tensors moved from the stream to the tails
+        assert sum(1 for k in p.cuts if k) >= p.prefetch_depth + 2    # and the stream still cycles
+        with torch.no_grad():
+            m(*x)
+            assert torch.equal(m(*x), ref)
+        assert h.last.h2d_bytes == p.streamed_bytes == _streamed_bytes(h)
+    finally:
+        h.remove()
 
 
 def test_split_plan_remove_restores_every_tensor():
