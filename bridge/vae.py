@@ -429,9 +429,14 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
 
     s = _spatial_scale(vae)
     video = samples.ndim == 5
-    tile = settings.tile_size or (plan_tiling.tile_px if plan_tiling is not None else 0)
-    overlap = settings.overlap or (plan_tiling.overlap_px if plan_tiling is not None else 0)
-    tsize = settings.temporal_size or ((plan_tiling.temporal_frames or 0) if plan_tiling is not None else 0)
+    tile, overlap, tsize = settings.tile_size, settings.overlap, settings.temporal_size
+    if plan_tiling is not None:
+        # Recommend sizes tiles from a formula before anything runs; this node measures the VAE itself and picks
+        # exact overlaps, the layered decode or the least-work tiles, so the plan's sizes are only reported
+        rep.add(f"plan (Recommend) predicted a tiled decode: {plan_tiling.tile_px}px tiles, {plan_tiling.overlap_px}px "
+                "overlap" + (f", {plan_tiling.temporal_frames}-frame chunks" if plan_tiling.temporal_frames else "")
+                + f", peak {plan_tiling.peak_bytes / GIB:.2f} GiB; this node plans from its own measurement instead "
+                "(sizes set on the node still apply)")
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
     all_frames = video and staged is not None and (staged.streamed or staged.whole_frames)

@@ -33,7 +33,8 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 io.Latent.Input("samples", tooltip="The latent to decode (image or video)."),
                 io.Vae.Input("vae", tooltip="The VAE to decode with. Tiled seamlessly: SD/SDXL/FLUX/SD3 KL, Wan 2.1/2.2, "
                                            "HunyuanVideo 1.0/1.5, LTX-Video; any other VAE runs ComfyUI's own decode."),
-                PLAN.Input("plan", optional=True, tooltip="A Levers plan; its VAE tiling is used for sizes left at 0."),
+                PLAN.Input("plan", optional=True, tooltip="A Levers plan. Its predicted VAE tiling is reported; the node "
+                                                             "sizes the decode from its own measurement of the VAE."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile size in output pixels, as in VAEDecodeTiled. 0 = auto: no tiling when the "
                                      "whole decode fits, else a layered decode (KL images) when it fits, else tiles "

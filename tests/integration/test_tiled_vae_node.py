@@ -117,6 +117,23 @@ def test_kl_budget_just_below_the_whole_decode_runs_layered_and_exact(comfy_env,
     assert layered.peak_bytes < whole.peak_bytes, (layered.peak_bytes, whole.peak_bytes)
 
 
+def test_a_recommend_plan_is_reported_but_the_node_plans_from_its_measurement(comfy_env, kl_vae):
+    """Recommend's tiling comes from a formula (overlap = tile / 8, below this VAE's receptive field): forcing it
+    would blend seams. The node reports it and keeps its own measured plan, which here is the whole decode."""
+    import types
+    from comfyui_levers.core.plan_types import Tiling
+
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 11)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    plan = types.SimpleNamespace(vae=types.SimpleNamespace(
+        tiling=Tiling(tile_px=128, overlap_px=16, temporal_frames=None, temporal_overlap=0, peak_bytes=1 << 20)))
+    img, report = run_node(comfy_env, latent, kl_vae, plan=plan)
+    assert "plan (Recommend) predicted a tiled decode: 128px tiles, 16px overlap" in report, report
+    assert "mode=whole" in report and torch.equal(img, ref), report
+    img, report = run_node(comfy_env, latent, kl_vae, plan=plan, tile_size=96)       # the node's own input wins
+    assert "mode=spatial" in report and "tile=96x96px" in report, report
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     return tiny_wan.load_vae()
