@@ -2026,6 +2026,7 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
     free_device_memory(dev)
     _vae_auto_third(suite, tiling, sec, staged, z, ref, halo, whole, base, deadline)
     _vae_layered(suite, tiling, sec, staged, z, ref, whole, base, deadline)
+    _vae_deeper_stem(suite, tiling, sec, dec, z, ref, whole, base, deadline, make, blocks)
     if not smoke and suite.left(deadline) < 8:
         sec["video"] = {"status": "skipped", "reason": "section deadline"}
         return
@@ -2108,6 +2109,53 @@ def _vae_layered(suite: Suite, tiling, sec, staged, z, ref, whole, base, deadlin
                 "psnr_db": rnd(psnr_db(ref, out), 2), "max_abs_diff": rnd(float((out.float() - ref).abs().max()), 5)})
     sec["image_layered"] = img
     log(f"  image, layered: peak ratio {img['peak_ratio']}, time ratio {img['time_ratio']}, PSNR {img['psnr_db']} dB")
+    del out
+    free_device_memory(dev)
+
+
+def _vae_deeper_stem(suite: Suite, tiling, sec, dec, z, ref, whole, base, deadline, make, blocks) -> None:
+    """Tiles with the deeper split the node takes when the budget allows it: the stages up to 1/2 of the output
+    scale whole, only the last stage tiled (2 x 2 tiles). Peak, time by phase and PSNR against the untiled decode."""
+    try:
+        from comfyui_levers.bridge import vae as bridge_vae
+        if not hasattr(bridge_vae, "deeper_stems") or not hasattr(dec, "num_resolutions"):
+            raise Skip("needs ComfyUI's Decoder and a Levers build with deeper stems")
+        if not suite.smoke and suite.left(deadline) < 5:
+            raise Skip("section deadline")
+    except Skip as exc:
+        sec["image_deeper_stem"] = {"status": "skipped", "reason": str(exc)}
+        return
+    dev = suite.device
+    def stage(d):
+        return bridge_vae._kl(types.SimpleNamespace(decode=d.forward), d, level=1)
+    staged = stage(dec)
+    lat = z.shape[-1]
+    img = dict(base)
+    halo = _vae_halo(make, stage, tiling, blocks)          # on an fp32 CPU copy, like the 1/4 split's
+    with torch.inference_mode():
+        stem, stem_m = tiling.measure_peak_bytes(lambda: tiling.run_stem(staged, z), dev)
+        del stem
+        overlap = max(1, math.ceil((2 * halo + 1) / 8))
+        tile = min(lat, (lat + overlap + 1) // 2)
+        plan = tiling.TilePlan("spatial", 1, (tile, tile), overlap, None, 0, 1, "suite: deeper stem, 2 x 2 tiles")
+        info = tiling.DecodeStats()
+        run = lambda: tiling.decode_spatial(staged, z, plan, out_scale=8, halo_px=halo, output_device=dev, info=info)
+        run()
+        info = tiling.DecodeStats()
+        free_device_memory(dev)
+        t0 = time.perf_counter()
+        out, peak = tiling.measure_peak_bytes(run, dev)
+        sync(dev)
+        img["tiled_s"] = rnd(time.perf_counter() - t0, 4)
+    img.update({"stem_peak_bytes": stem_m.peak_bytes, "halo_px": halo, "tiles": info.tiles, "tile_latent": tile,
+                "tiled_groupnorms": len(staged.tail_norms), "tiled_peak_bytes": peak.peak_bytes,
+                "phase_s": {k: rnd(v, 4) for k, v in info.phase_s.items()},
+                "peak_ratio": rnd(peak.peak_bytes / max(1, whole.peak_bytes), 4),
+                "stem_peak_ratio": rnd(stem_m.peak_bytes / max(1, whole.peak_bytes), 4),
+                "time_ratio": rnd(img["tiled_s"] / max(1e-9, img["untiled_s"]), 3), "psnr_db": rnd(psnr_db(ref, out), 2)})
+    sec["image_deeper_stem"] = img
+    log(f"  image, deeper stem (1/2 scale whole): stem peak ratio {img['stem_peak_ratio']}, peak ratio "
+        f"{img['peak_ratio']}, time ratio {img['time_ratio']}, PSNR {img['psnr_db']} dB")
     del out
     free_device_memory(dev)
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import BudgetExceeded, ConfigError, IncompatibleInput
-from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, StagedDecoder, TilePlan, decode_layered,
-                           decode_spatial, decode_streamed, decode_temporal, measure_halo, measure_peak_bytes,
-                           plan_decode, run_stem)
+from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasurement, StagedDecoder, TilePlan,
+                           decode_layered, decode_spatial, decode_streamed, decode_temporal, measure_halo,
+                           measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.overrides import override_forwards
 from .inputs import require_vae
@@ -109,7 +109,7 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
     return None, f"{type(fsm).__name__} has no seamless tiling in Levers yet"
 
 
-def _kl(fsm, dec, video: bool = False) -> StagedDecoder:
+def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecoder:
     """The 2-D KL decoder (SD/SDXL/SD3/Flux) or its 3-D form (HunyuanVideo, ``conv3d=True``).
 
     The 3-D form with carried convolutions (``Decoder.carried``) splits the frames after the middle block
@@ -119,7 +119,8 @@ def _kl(fsm, dec, video: bool = False) -> StagedDecoder:
     in tile runs its stand-in removes that padding from the stand-in latent.
     """
     n = dec.num_resolutions
-    level = max(0, n - 2)        # the stage one upsampling above the latent (1/4 of the output scale for x8 VAEs)
+    if level is None:
+        level = max(0, n - 2)    # the stage one upsampling above the latent (1/4 of the output scale for x8 VAEs)
     stem = []
     pqc = getattr(fsm, "post_quant_conv", None)
     if isinstance(pqc, torch.nn.Module):
@@ -150,6 +151,29 @@ def _kl(fsm, dec, video: bool = False) -> StagedDecoder:
     stand_ins = {dec.conv_in: _unpad_carried} if carried else {}
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail, stand_ins=stand_ins,
                          stream_module=dec.conv_out if carried else None, own_chunk_frames=2 if carried else 0)
+
+
+def deeper_stems(vae) -> list[tuple[StagedDecoder, str]]:
+    """For a 2-D KL decoder, splits whose stem runs more stages whole (deepest first), with their output scale.
+
+    A deeper stem leaves fewer stages to tile: fewer GroupNorms to estimate, a smaller receptive field (so less
+    overlap) and a cheaper statistics pass, at the cost of a larger whole-image stem. The node takes the deepest
+    one whose stem and tiles fit the budget."""
+    fsm = getattr(vae, "first_stage_model", None)
+    dec = getattr(fsm, "decoder", None)
+    staged, _ = describe_vae(vae)
+    if staged is None or staged.causal or staged.streamed or dec is None or not hasattr(dec, "num_resolutions"):
+        return []
+    weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
+        return []
+    n = dec.num_resolutions
+    out = []
+    for level in range(1, max(0, n - 2)):
+        if any(len(dec.up[lv].attn) > 0 for lv in range(level)):
+            continue
+        out.append((_kl(fsm, dec, level=level), f"1/{2 ** level}"))
+    return out
 
 
 def _unpad_carried(x, *args, **kwargs):
@@ -295,11 +319,13 @@ def _out_frames(vae, t: int) -> int:
     return int(r[0](t)) if isinstance(r, (tuple, list)) and callable(r[0]) else t
 
 
-def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tuple[DecodeCost, float, str]:
+def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
+                 whole_bpp: float | None = None) -> tuple[DecodeCost, float, str]:
     """Bytes per output pixel of the whole decode and of a tile, from small probe decodes.
 
     Returns (cost, halo_px, method). The probe is a crop of the latent (at most 32x32; 2 frames, or for a
     decoder that chunks time itself, two of its chunks, so that one steady-state chunk is measured).
+    whole_bpp: the whole decode's cost when already measured (another split of the same decoder).
     """
     dev = torch.device(vae.device)
     s = _spatial_scale(vae)
@@ -309,9 +335,13 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor) -> tup
         probe = probe[:, :, :2 * staged.own_chunk_frames if staged is not None and staged.streamed else 2]
     probe = probe.to(dev, vae.vae_dtype)
     frame_px = ph * pw * s * s
-    with torch.inference_mode():
-        _, whole = measure_peak_bytes(lambda: vae.first_stage_model.decode(probe), dev)
-    whole_bpp = whole.peak_bytes / frame_px
+    if whole_bpp is None:
+        with torch.inference_mode():
+            _, whole = measure_peak_bytes(lambda: vae.first_stage_model.decode(probe), dev)
+        whole_bpp = whole.peak_bytes / frame_px
+    else:
+        whole = PeakMeasurement(int(whole_bpp * frame_px), "cuda.max_memory_allocated" if dev.type == "cuda"
+                                else "live-tensor tracking (dispatch)")
     out_bpp = 0.0
     if probe.ndim == 5:
         out_bpp = 2 * 3 * torch.tensor([], dtype=vae.vae_dtype).element_size()
@@ -469,6 +499,23 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                         "stands aside: ComfyUI's own decode, which falls back to its tiled decode on out-of-memory",
                         exact=True)
         rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
+    if plan.mode == "spatial" and not tile and not video:
+        default_norms, default_halo = len(staged.tail_norms), halo_px
+        for alt, scale_label in deeper_stems(vae):
+            try:
+                alt_cost, alt_halo, _ = measure_cost(vae, alt, samples, whole_bpp=cost.whole_bytes_per_px)
+                alt_plan = plan_decode(tuple(samples.shape), s, alt_cost, budget, halo_px=alt_halo,
+                                       overlap=(overlap // s) if overlap else None)
+            except BudgetExceeded:
+                continue
+            if alt_plan.mode != "spatial":
+                continue
+            staged, cost, halo_px, plan = alt, alt_cost, alt_halo, alt_plan
+            rep.add(f"deeper stem: the stages up to {scale_label} of the output scale run whole (the deepest split "
+                    f"that fits): {len(alt.tail_norms)} tiled GroupNorms instead of {default_norms}, receptive "
+                    f"field {alt_halo:.0f} px instead of {default_halo:.0f} px (stem {alt_cost.stem_bytes_per_px:.0f} "
+                    f"B/px, tile {alt_cost.tile_bytes_per_px:.0f} B/px)")
+            break
     if plan.mode == "temporal" and own:
         rep.add(f"the decoder walks the frames in its own chunks ({staged.own_chunk_frames} latent frames, carrying "
                 "its causal state): chunks are its own calls, run unchanged; each call's frames leave the device")

@@ -134,6 +134,28 @@ def test_a_recommend_plan_is_reported_but_the_node_plans_from_its_measurement(co
     assert "mode=spatial" in report and "tile=96x96px" in report, report
 
 
+def test_kl_budget_for_a_deeper_stem_tiles_only_the_last_stage(comfy_env, kl_vae):
+    """Between the deeper stem's peak (stages up to 1/2 of the output scale whole) and the layered decode's, the
+    node tiles only the last stage: fewer GroupNorms to estimate, a smaller receptive field, less overlap. The
+    same budget without the deeper stem (the 1/4 split) is measured beside it."""
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    latent = {"samples": smooth_latent((1, 16, 40, 40), 2)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.042)
+    assert "mode=spatial" in report and "deeper stem: the stages up to 1/2 of the output scale" in report, report
+    original = bridge_vae.deeper_stems
+    bridge_vae.deeper_stems = lambda vae: []
+    try:
+        shallow, shallow_report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.042)
+    finally:
+        bridge_vae.deeper_stems = original
+    assert "deeper stem" not in shallow_report and "mode=spatial" in shallow_report
+    p, p_shallow = psnr(ours, ref), psnr(shallow, ref)
+    print(f"\nKL budget 0.042 GB: deeper stem {p:.1f} dB, 1/4 split {p_shallow:.1f} dB\n{report}\n--\n{shallow_report}")
+    assert p >= 35 and p >= p_shallow, (p, p_shallow)
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     return tiny_wan.load_vae()
