@@ -30,7 +30,7 @@ from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasuremen
                            decode_layered, decode_spatial, decode_streamed, decode_temporal, measure_halo,
                            measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
-from ..core.tiling.overrides import override_forwards
+from ..core.tiling.overrides import StopDecode, override_forwards
 from .inputs import require_vae
 
 log = logging.getLogger("levers")
@@ -243,7 +243,6 @@ def _no_frames(x, *args, **kwargs):
 
 def _stop(x, *args, **kwargs):
     """Stem run: the head is not reached with stem-shaped data (its timestep scale/shift has the head's width)."""
-    from ..core.tiling.overrides import StopDecode
     raise StopDecode
 
 
