@@ -1073,8 +1073,8 @@ class PrefetchHandle:
         plan = plan_groups(self.store, self.config, self.budget_bytes, self.remainder_bytes, self.bandwidth,
                            self.block_compute_s, self.other_compute_s)
         cur = self.plan
-        if (plan.blocks_per_group, plan.prefetch_depth, plan.resident_groups) != \
-                (cur.blocks_per_group, cur.prefetch_depth, cur.resident_groups):
+        if (plan.blocks_per_group, plan.prefetch_depth, plan.resident_groups, plan.cuts) != \
+                (cur.blocks_per_group, cur.prefetch_depth, cur.resident_groups, cur.cuts):
             self._teardown()
             self._build(plan)
         else:
