@@ -96,8 +96,9 @@ class BandedUnit:
     """Replaces one module's forward: same inputs and output, computed in row bands with exact statistics."""
 
     def __init__(self, module: nn.Module, bands: int, info: LayeredStats, interrupt: Interrupt | None = None,
-                 halo_rows: int | None = None):
+                 halo_rows: int | None = None, done: Callable[[], None] | None = None):
         self.module = module
+        self.done = done                    # called after each whole-tensor call (progress)
         self.original = module.forward
         self.norms = _UnitNorms(find_group_norms([module]))
         self.n_bands = bands
@@ -163,6 +164,8 @@ class BandedUnit:
                 self.interrupt()
             out[..., round(a * scale):round(b * scale), :] = self._run_band(x, a, b, args, kwargs)
         self.info.bands = max(self.info.bands, len(bands))
+        if self.done is not None:
+            self.done()
         return out
 
 
@@ -238,14 +241,21 @@ def decode_layered(run: Callable[[torch.Tensor], torch.Tensor], tail: list[nn.Mo
     info = info if info is not None else LayeredStats()
     units = layered_units(tail)
     info.units = len(units)
-    banded = {m: BandedUnit(m, bands, info, interrupt) for m in units}
-    outs = []
     n = latent.shape[0]
+    total, count = n * max(1, len(units)), {"done": 0}
+
+    def unit_done() -> None:                # progress per banded module call, capped at the total
+        count["done"] = min(total, count["done"] + 1)
+        if progress is not None:
+            progress(count["done"], total)
+    banded = {m: BandedUnit(m, bands, info, interrupt, done=unit_done) for m in units}
+    outs = []
     for i in range(n):
         if interrupt is not None:
             interrupt()
         with torch.inference_mode(), override_forwards(banded):
             outs.append(run(latent[i:i + 1]).to(output_device, torch.float32))
+        count["done"] = (i + 1) * max(1, len(units))
         if progress is not None:
-            progress(i + 1, n)
+            progress(count["done"], total)
     return torch.cat(outs, 0)
