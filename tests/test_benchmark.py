@@ -256,3 +256,22 @@ def test_dynamic_vram_baseline_loads_weights_the_way_dynamicvram_layers_take_the
         assert out["status"] == "ok", out
         assert out["weights_bound_bytes"] == gs.model_bytes(spec) == out["model_bytes"], out
         assert out["bit_exact"] is True, out
+
+
+def test_split_plan_dry_run_reproduces_the_h200_layout_and_the_leftover_it_spends():
+    """The dry layout of the suite's FLUX-shaped DiT gives the H200 run's common-cap plan at the 12 GiB case
+    (9.97 GiB on the device, 12.69 GiB streamed per forward, as its report said); spending the leftover streams
+    less within the same budget."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "split_plan_dry.py")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = {ln.split(":")[0].strip(): ln for ln in proc.stdout.splitlines()}
+    cap, fill = lines["common cap only"], lines["cap + leftover spent"]
+    assert "device 9.97 GiB" in cap and "streamed 12.69 GiB" in cap, proc.stdout
+
+    def streamed(line):
+        return float(line.split("streamed ")[1].split(" GiB")[0])
+
+    def device(line):
+        return float(line.split("device ")[1].split(" GiB")[0])
+    assert streamed(fill) < streamed(cap) - 0.5 and device(fill) <= 11.07, proc.stdout

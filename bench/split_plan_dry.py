@@ -1,0 +1,66 @@
+"""GroupPrefetch's split plan for the suite's FLUX-shaped DiT, computed without a GPU or the 22 GiB of weights.
+
+Builds the suite's FluxShaped model on the meta device, lays its blocks out the way the engine's HostStore does
+(same tensor order and alignment, no arena allocated) and prints the split plan at a weights budget, with and
+without spending the budget a common cap leaves over. The default budget is the H200 run's FLUX 12 GiB case
+(bench/results/2026-11-30-h200-d.json: weights budget 11881656716 bytes, prefetch depth 1).
+
+    python bench/split_plan_dry.py [--budget BYTES] [--depth D]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_suite  # noqa: E402  (the suite's model shapes)
+
+from comfyui_levers.core.residency import prefetch  # noqa: E402
+
+GIB = 1024 ** 3
+
+
+class DryStore(prefetch.HostStore):
+    """The engine's layout of the blocks' tensors, without allocating or copying anything."""
+
+    def _allocate(self, transport, pin):
+        self.arenas = {dtype: torch.empty(0, dtype=dtype) for dtype in self.block_range}
+
+    def _stage_all(self, transport):
+        pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget", type=int, default=11881656716, help="weights budget in bytes")
+    p.add_argument("--depth", type=int, default=1, help="prefetch depth (slots = depth + 1)")
+    args = p.parse_args()
+    with torch.device("meta"):
+        model = gpu_suite.FluxShaped(gpu_suite.FLUX, dtype=torch.bfloat16)
+    blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(model.double_blocks)]
+    blocks += [(f"single_blocks.{i}", b) for i, b in enumerate(model.single_blocks)]
+    store = DryStore(blocks, transport=None, pin=False)
+    total = sum(t.numel() * t.element_size() for t in model.parameters())
+    remainder = total - sum(store.block_bytes())
+    print(f"FLUX-shaped DiT: {store.n_blocks} blocks, {total / GIB:.2f} GiB ({remainder / GIB:.3f} GiB outside the "
+          f"blocks); weights budget {args.budget / GIB:.2f} GiB, depth {args.depth}")
+    fill = prefetch._fill_split
+    for label, spend in (("common cap only", False), ("cap + leftover spent", True)):
+        prefetch._fill_split = fill if spend else (lambda store, cuts, d, spare: tuple(cuts))
+        try:
+            found = prefetch._split_plan(store, args.depth, args.budget, remainder)
+        finally:
+            prefetch._fill_split = fill
+        if found is None:
+            print(f"{label:22s}: no split plan fits")
+            continue
+        cuts, need, slots, streamed = found
+        print(f"{label:22s}: device {need / GIB:.2f} GiB (slots {slots / GIB:.3f}), streamed {streamed / GIB:.2f} "
+              f"GiB per forward; streamed tensors per block: {sorted(set(cuts))}")
+
+
+if __name__ == "__main__":
+    main()
