@@ -1,11 +1,11 @@
-"""GroupPrefetch's split plan for the suite's FLUX-shaped DiT, computed without a GPU or the 22 GiB of weights.
+"""GroupPrefetch's split plan for the suite's FLUX- or Wan-shaped DiT, computed without a GPU or the weights.
 
-Builds the suite's FluxShaped model on the meta device, lays its blocks out the way the engine's HostStore does
+Builds the suite's model on the meta device, lays its blocks out the way the engine's HostStore does
 (same tensor order and alignment, no arena allocated) and prints the split plan at a weights budget, with and
 without spending the budget a common cap leaves over. The default budget is the H200 run's FLUX 12 GiB case
 (bench/results/2026-11-30-h200-d.json: weights budget 11881656716 bytes, prefetch depth 1).
 
-    python bench/split_plan_dry.py [--budget BYTES] [--depth D]
+    python bench/split_plan_dry.py [--model flux|wan] [--budget BYTES] [--depth D]
 """
 from __future__ import annotations
 
@@ -35,17 +35,22 @@ class DryStore(prefetch.HostStore):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("flux", "wan"), default="flux")
     p.add_argument("--budget", type=int, default=11881656716, help="weights budget in bytes")
     p.add_argument("--depth", type=int, default=1, help="prefetch depth (slots = depth + 1)")
     args = p.parse_args()
     with torch.device("meta"):
-        model = gpu_suite.FluxShaped(gpu_suite.FLUX, dtype=torch.bfloat16)
-    blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(model.double_blocks)]
-    blocks += [(f"single_blocks.{i}", b) for i, b in enumerate(model.single_blocks)]
+        if args.model == "flux":
+            model = gpu_suite.FluxShaped(gpu_suite.FLUX, dtype=torch.bfloat16)
+            blocks = [(f"double_blocks.{i}", b) for i, b in enumerate(model.double_blocks)]
+            blocks += [(f"single_blocks.{i}", b) for i, b in enumerate(model.single_blocks)]
+        else:
+            model = gpu_suite.WanShaped(gpu_suite.WAN, dtype=torch.bfloat16)
+            blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
     store = DryStore(blocks, transport=None, pin=False)
     total = sum(t.numel() * t.element_size() for t in model.parameters())
     remainder = total - sum(store.block_bytes())
-    print(f"FLUX-shaped DiT: {store.n_blocks} blocks, {total / GIB:.2f} GiB ({remainder / GIB:.3f} GiB outside the "
+    print(f"{args.model.upper()}-shaped DiT: {store.n_blocks} blocks, {total / GIB:.2f} GiB ({remainder / GIB:.3f} GiB outside the "
           f"blocks); weights budget {args.budget / GIB:.2f} GiB, depth {args.depth}")
     fill = prefetch._fill_split
     for label, spend in (("common cap only", False), ("cap + leftover spent", True)):
