@@ -370,8 +370,7 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
         per_video = 1.0 if _chunks_time_itself(vae) else latent.shape[2] / probe.shape[2]
     cost = DecodeCost(whole_bytes_per_px=whole_bpp * per_video,
                       tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1 * per_video,   # +10%: blend + weights
-                      stem_bytes_per_px=stem_m.peak_bytes / frame_px * (latent.shape[2] / probe.shape[2]
-                                                                         if staged.whole_frames else 1.0),
+                      stem_bytes_per_px=stem_m.peak_bytes / frame_px * per_video,
                       stored_bytes_per_px=stem_out.numel() * stem_out.element_size() / frame_px
                       / ((probe.shape[2] if staged.whole_frames else stem_out.shape[2]) if stem_out.ndim == 5 else 1),
                       output_bytes_per_px=out_bpp, method=whole.method)

@@ -509,3 +509,18 @@ def test_ltx_with_injected_noise_stands_aside(comfy_env):
     img, report = run_node(comfy_env, latent, vae, memory_budget_gb=0.001)
     assert "injects random spatial noise" in report and "standing aside" in report, report
     assert img.shape == (9, 128, 192, 3)
+
+
+def test_ltx_costs_scale_with_frames_unless_the_decoder_chunks_time(comfy_env):
+    """0.8.0's LTX decoder runs all frames at once, so the predicted whole-decode and tile costs grow with the
+    frames; 0.33's walks them in chunks sized from the card, so they do not. The probe measures 2 latent frames."""
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    vae = ltx_vae(False)
+    staged, _ = bridge_vae.describe_vae(vae)
+    short, _, _ = bridge_vae.measure_cost(vae, staged, smooth_latent((1, 128, 2, 4, 6), 12))
+    long, _, _ = bridge_vae.measure_cost(vae, staged, smooth_latent((1, 128, 6, 4, 6), 12))
+    chunked = bridge_vae._chunks_time_itself(vae)
+    factor = 1.0 if chunked else 3.0
+    for name in ("whole_bytes_per_px", "tile_bytes_per_px", "stem_bytes_per_px"):
+        assert getattr(long, name) == pytest.approx(getattr(short, name) * factor, rel=0.15), (name, chunked)
