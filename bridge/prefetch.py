@@ -118,8 +118,12 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
         cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
-        if other_bytes + total_blocks - streamed + (depth + 1) * max(heads) > budget:
+        need = other_bytes + total_blocks - streamed + (depth + 1) * max(heads)
+        if need > budget:
             continue
+        cuts = _spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)
+        heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
+        streamed = sum(heads)
         head_mods, tails = set(), set()
         for (fixed, leaves, _), k in zip(parts, cuts):
             head_mods.update(id(m) for m, _ in fixed + leaves[:k])
@@ -127,6 +131,26 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
         idx = tuple(b for b, h in enumerate(heads) if h)
         return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap)
     return None
+
+
+def _spend_leftover(heads: list[list[int]], cuts: list[int], spare: float, depth: int) -> list[int]:
+    """Keep more leaf modules of some blocks in ComfyUI's load list with the budget a common cap leaves over.
+
+    The cap moves in steps of one module in every block at once, which can leave a large part of the budget
+    unused while those bytes stream every step (see ``core.residency.prefetch._fill_split``, the engine's
+    counterpart). Blocks give up the last leaf module of their head, largest first, while the spare room allows;
+    at least ``depth + 2`` blocks keep streaming, and the slots (the widest head) never grow."""
+    cuts = list(cuts)
+    streaming = sum(1 for hs, k in zip(heads, cuts) if hs[k])
+    while True:
+        fits = [(hs[k] - hs[k - 1], -b) for b, (hs, k) in enumerate(zip(heads, cuts))
+                if k and 0 < hs[k] - hs[k - 1] <= spare and (hs[k - 1] > 0 or streaming - 1 > depth + 1)]
+        if not fits:
+            return cuts
+        step, nb = max(fits)
+        cuts[-nb] -= 1
+        spare -= step
+        streaming -= heads[-nb][cuts[-nb]] == 0
 
 
 class _Session:

@@ -586,3 +586,29 @@ def test_cuda_inductor_blocks_stream_bit_identical_without_recompiling():
             h.remove()
     finally:
         torch._dynamo.reset()
+
+
+def test_comfyui_split_layout_spends_the_leftover_too(monkeypatch):
+    """Inside ComfyUI the split is planned per leaf module (ComfyUI loads the tails itself); the same common cap
+    leaves budget unused, and the same greedy spends it: fewer bytes stream, the layout still fits."""
+    from comfyui_levers.bridge import prefetch as bridge
+    from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+
+    m = make_wan()
+    blocks = find_blocks(m).blocks
+    other = module_bytes(m) - sum(module_bytes(b) for _, b in blocks)
+    sizes = [module_bytes(b) for _, b in blocks]
+
+    def need(layout):
+        return other + sum(sizes) - layout.streamed_bytes + 2 * layout.cap      # depth 1: two slots of the cap
+
+    with monkeypatch.context() as mp:
+        mp.setattr(bridge, "_spend_leftover", lambda heads, cuts, spare, depth: list(cuts))
+        probe = bridge._split_blocks(blocks, other, other + sum(sizes) // 2 + 2 * max(sizes), 1)
+        leaves = [module_bytes(mod) for mod in blocks[0][1].modules() if not any(True for _ in mod.children())]
+        budget = need(probe) + int(2.5 * max(leaves))
+        capped = bridge._split_blocks(blocks, other, budget, 1)
+    filled = bridge._split_blocks(blocks, other, budget, 1)
+    assert filled.streamed_bytes < capped.streamed_bytes
+    assert other + sum(sizes) - filled.streamed_bytes + 2 * filled.cap <= budget
+    assert len(filled.streamed) >= 3                                    # depth + 2 blocks still stream
