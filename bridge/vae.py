@@ -488,15 +488,27 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                            auto_chunk_frames=staged.own_chunk_frames if own else 1,
                            tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
     except BudgetExceeded as exc:
+        if staged is not None and settings.memory_budget_gb > 0:
+            raise                   # a budget the user set: say what it would take rather than exceed it
         if staged is not None:
-            raise
-        # Nothing Levers can do better for this VAE: stand aside. ComfyUI's own decode retries with its own
-        # tiled decode when it runs out of memory, which beats failing here on a prediction.
-        plan = TilePlan("whole", 1 if video else samples.shape[0], None, 0, None, exc.needed_bytes, budget,
-                        f"predicted over the budget ({exc}); Levers has no seamless tiling for this VAE, so it "
-                        "stands aside: ComfyUI's own decode, which falls back to its tiled decode on out-of-memory",
-                        exact=True)
-        rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
+            # Even Levers' smallest plan (its whole-image stem, or the smallest exact tile) needs more than the
+            # free memory. Fail soft, as ComfyUI's VAEDecode does on OOM: ComfyUI's own tiled decode, whose tiles
+            # run the whole decoder (no stem), sized from the measured cost per pixel; its seams are blended.
+            side = max(64, 2 * s, min(1024, int(math.sqrt(budget / max(1.0, cost.whole_bytes_per_px))) // 32 * 32))
+            plan = TilePlan("comfy_tiled", 1, (side // s, side // s), max(1, side // 4 // s), None,
+                            exc.needed_bytes, budget,
+                            f"Levers' smallest exact plan does not fit the free memory ({exc}); ComfyUI's own tiled "
+                            f"decode instead, {side}px tiles sized from the measured cost (blended seams, not exact)",
+                            exact=False)
+            rep.add("fallback: ComfyUI's VAEDecodeTiled (even Levers' smallest plan does not fit the free memory)")
+        else:
+            # Nothing Levers can do better for this VAE: stand aside. ComfyUI's own decode retries with its own
+            # tiled decode when it runs out of memory, which beats failing here on a prediction.
+            plan = TilePlan("whole", 1 if video else samples.shape[0], None, 0, None, exc.needed_bytes, budget,
+                            f"predicted over the budget ({exc}); Levers has no seamless tiling for this VAE, so it "
+                            "stands aside: ComfyUI's own decode, which falls back to its tiled decode on "
+                            "out-of-memory", exact=True)
+            rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
     if plan.mode == "spatial" and not tile and not video:
         default_norms, default_halo = len(staged.tail_norms), halo_px
         for alt, scale_label in deeper_stems(vae):
@@ -546,6 +558,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     t0 = time.perf_counter()
 
     def run():
+        if plan.mode == "comfy_tiled":
+            import nodes as comfy_nodes      # ComfyUI's own node module: VAEDecodeTiled exactly as it runs there
+            side = plan.tile[0] * s
+            return comfy_nodes.VAEDecodeTiled().decode(vae, {"samples": samples}, side, side // 4, 64, 8)[0]
         if plan.mode == "whole":
             outs = []
             for i in range(0, samples.shape[0], plan.batch_per_pass):

@@ -31,7 +31,7 @@ class DecodeCost:
 class TilePlan:
     """What the decode will do. Tile sizes and overlaps are in latent units."""
 
-    mode: str                          # "whole" | "layered" | "temporal" | "spatial"
+    mode: str                          # "whole" | "layered" | "temporal" | "spatial" | "comfy_tiled" (fallback)
     batch_per_pass: int
     tile: tuple[int, int] | None
     overlap: int
@@ -46,7 +46,8 @@ class TilePlan:
         parts = [f"mode={self.mode}", f"batch/pass={self.batch_per_pass}"]
         if self.tile:
             parts.append(f"tile={self.tile[0] * scale}x{self.tile[1] * scale}px overlap={self.overlap * scale}px")
-            parts.append(f"tail work={self.work_ratio:.2f}x of untiled")
+            if self.mode == "spatial":
+                parts.append(f"tail work={self.work_ratio:.2f}x of untiled")
         if self.chunk_frames:
             parts.append(f"chunk={self.chunk_frames} latent frame(s)")
         parts.append(f"predicted peak={self.predicted_peak_bytes / GIB:.3f} GiB of budget "

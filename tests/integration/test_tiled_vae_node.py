@@ -156,6 +156,25 @@ def test_kl_budget_for_a_deeper_stem_tiles_only_the_last_stage(comfy_env, kl_vae
     assert p >= 35 and p >= p_shallow, (p, p_shallow)
 
 
+def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode(comfy_env, kl_vae, monkeypatch):
+    """When even Levers' smallest plan does not fit the free memory (no budget set), the node fails soft the way
+    VAEDecode does on OOM: ComfyUI's own VAEDecodeTiled, tiles sized from the measured cost, and a report line.
+    With a budget the user set, it says what the decode needs instead."""
+    from comfyui_levers.bridge import vae as bridge_vae
+    from comfyui_levers.core.errors import BudgetExceeded
+
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 13)}
+    monkeypatch.setattr(bridge_vae, "budget_bytes", lambda vae, settings: (200_000, "budget 90% of free memory (test)"))
+    img, report = run_node(comfy_env, latent, kl_vae)
+    assert "mode=comfy_tiled" in report and "fallback: ComfyUI's VAEDecodeTiled" in report, report
+    side = int(report.split("tile=")[1].split("x")[0])
+    ref = comfy_env.nodes.VAEDecodeTiled().decode(kl_vae, latent, side, side // 4, 64, 8)[0]
+    assert torch.equal(img, ref)
+    monkeypatch.undo()
+    with pytest.raises(BudgetExceeded):
+        run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.0002)
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     return tiny_wan.load_vae()
