@@ -447,7 +447,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     vae_notes = []
     if c.tiling is not None:
         t = c.tiling
-        vae_notes.append(f"tiled decode: {t.tile_px}px tiles, {t.overlap_px}px overlap"
+        vae_notes.append(f"tiled decode (estimate; TiledVAEDecode measures the VAE and picks its own exact plan): "
+                         f"{t.tile_px}px tiles, {t.overlap_px}px overlap"
                          + (f", {t.temporal_frames}-frame chunks" + (" with the causal cache carried (exact)" if spec.vae_causal else "")
                             if t.temporal_frames else "")
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
