@@ -52,13 +52,13 @@ def main() -> None:
     remainder = total - sum(store.block_bytes())
     print(f"{args.model.upper()}-shaped DiT: {store.n_blocks} blocks, {total / GIB:.2f} GiB ({remainder / GIB:.3f} GiB outside the "
           f"blocks); weights budget {args.budget / GIB:.2f} GiB, depth {args.depth}")
-    fill = prefetch._fill_split
+    fill = prefetch.spend_leftover
     for label, spend in (("common cap only", False), ("cap + leftover spent", True)):
-        prefetch._fill_split = fill if spend else (lambda store, cuts, d, spare: tuple(cuts))
+        prefetch.spend_leftover = fill if spend else (lambda heads, cuts, spare, depth: tuple(cuts))
         try:
             found = prefetch._split_plan(store, args.depth, args.budget, remainder)
         finally:
-            prefetch._fill_split = fill
+            prefetch.spend_leftover = fill
         if found is None:
             print(f"{label:22s}: no split plan fits")
             continue

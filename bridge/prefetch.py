@@ -32,7 +32,7 @@ from torch import nn
 
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
-    measure_bandwidth
+    measure_bandwidth, spend_leftover
 from ..core.residency.transport import Transport, make_transport
 from .comfy_mode import dynamic_vram_active, patcher_is_dynamic
 from .inputs import require_model
@@ -121,7 +121,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
         need = other_bytes + total_blocks - streamed + (depth + 1) * max(heads)
         if need > budget:
             continue
-        cuts = _spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)
+        cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
         head_mods, tails = set(), set()
@@ -131,26 +131,6 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
         idx = tuple(b for b, h in enumerate(heads) if h)
         return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap)
     return None
-
-
-def _spend_leftover(heads: list[list[int]], cuts: list[int], spare: float, depth: int) -> list[int]:
-    """Keep more leaf modules of some blocks in ComfyUI's load list with the budget a common cap leaves over.
-
-    The cap moves in steps of one module in every block at once, which can leave a large part of the budget
-    unused while those bytes stream every step (see ``core.residency.prefetch._fill_split``, the engine's
-    counterpart). Blocks give up the last leaf module of their head, largest first, while the spare room allows;
-    at least ``depth + 2`` blocks keep streaming, and the slots (the widest head) never grow."""
-    cuts = list(cuts)
-    streaming = sum(1 for hs, k in zip(heads, cuts) if hs[k])
-    while True:
-        fits = [(hs[k] - hs[k - 1], -b) for b, (hs, k) in enumerate(zip(heads, cuts))
-                if k and 0 < hs[k] - hs[k - 1] <= spare and (hs[k - 1] > 0 or streaming - 1 > depth + 1)]
-        if not fits:
-            return cuts
-        step, nb = max(fits)
-        cuts[-nb] -= 1
-        spare -= step
-        streaming -= heads[-nb][cuts[-nb]] == 0
 
 
 class _Session:

@@ -30,6 +30,7 @@ from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasuremen
                            decode_layered, decode_spatial, decode_streamed, decode_temporal, measure_halo,
                            measure_peak_bytes, plan_decode, run_stem)
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
+from ..core.tiling.memory import peak_method
 from ..core.tiling.overrides import StopDecode, override_forwards
 from .inputs import require_vae
 
@@ -153,20 +154,19 @@ def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecode
                          stream_module=dec.conv_out if carried else None, own_chunk_frames=2 if carried else 0)
 
 
-def deeper_stems(vae) -> list[tuple[StagedDecoder, str]]:
-    """For a 2-D KL decoder, splits whose stem runs more stages whole (deepest first), with their output scale.
+def deeper_stems(vae, staged: StagedDecoder | None) -> list[tuple[StagedDecoder, str]]:
+    """For a 2-D KL decoder (``staged`` as ``describe_vae`` gave it), splits whose stem runs more stages whole
+    (deepest first), with their output scale.
 
     A deeper stem leaves fewer stages to tile: fewer GroupNorms to estimate, a smaller receptive field (so less
     overlap) and a cheaper statistics pass, at the cost of a larger whole-image stem. The node takes the deepest
     one whose stem and tiles fit the budget."""
-    fsm = getattr(vae, "first_stage_model", None)
+    fsm = vae.first_stage_model
     dec = getattr(fsm, "decoder", None)
-    staged, _ = describe_vae(vae)
-    if staged is None or staged.causal or staged.streamed or dec is None or not hasattr(dec, "num_resolutions"):
+    if staged is None or staged.causal or staged.streamed or not hasattr(dec, "num_resolutions"):
         return []
-    weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
-        return []
+    if getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", torch.empty(0)).ndim != 4:
+        return []           # the 3-D KL decoder (HunyuanVideo) keeps its own split
     n = dec.num_resolutions
     out = []
     for level in range(1, max(0, n - 2)):
@@ -263,7 +263,7 @@ def _ltx(fsm, dec) -> tuple[StagedDecoder | None, str]:
     last = ups[-1]
     stem = [dec.conv_in] + list(dec.up_blocks[:last - 1])
     tail = list(dec.up_blocks[last:]) + [dec.conv_norm_out, dec.conv_out]
-    chunked = "output_buffer" in inspect.signature(fsm.decode).parameters
+    chunked = _decode_takes_output_buffer(fsm)
 
     def run(z):
         if not chunked:
@@ -318,6 +318,11 @@ def _out_frames(vae, t: int) -> int:
     return int(r[0](t)) if isinstance(r, (tuple, list)) and callable(r[0]) else t
 
 
+def _probe_crop(latent: torch.Tensor) -> torch.Tensor:
+    """The corner of the first sample the probe decodes: at most 32x32 latent px (all frames; callers trim)."""
+    return latent[:1, ..., :min(latent.shape[-2], 32), :min(latent.shape[-1], 32)]
+
+
 def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
                  whole_bpp: float | None = None) -> tuple[DecodeCost, float, str]:
     """Bytes per output pixel of the whole decode and of a tile, from small probe decodes.
@@ -328,8 +333,8 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
     """
     dev = torch.device(vae.device)
     s = _spatial_scale(vae)
-    ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
-    probe = latent[:1, ..., :ph, :pw]
+    probe = _probe_crop(latent)
+    ph, pw = probe.shape[-2:]
     if probe.ndim == 5:
         probe = probe[:, :, :2 * staged.own_chunk_frames if staged is not None and staged.streamed else 2]
     probe = probe.to(dev, vae.vae_dtype)
@@ -339,8 +344,7 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
             _, whole = measure_peak_bytes(lambda: vae.first_stage_model.decode(probe), dev)
         whole_bpp = whole.peak_bytes / frame_px
     else:
-        whole = PeakMeasurement(int(whole_bpp * frame_px), "cuda.max_memory_allocated" if dev.type == "cuda"
-                                else "live-tensor tracking (dispatch)")
+        whole = PeakMeasurement(int(whole_bpp * frame_px), peak_method(dev))
     out_bpp = 0.0
     if probe.ndim == 5:
         out_bpp = 2 * 3 * torch.tensor([], dtype=vae.vae_dtype).element_size()
@@ -377,9 +381,13 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
     return cost, halo, whole.method
 
 
-def _chunks_time_itself(vae) -> bool:
+def _decode_takes_output_buffer(fsm) -> bool:
     """LTX on ComfyUI 0.33 walks the frames in chunks sized from the card and writes them to an output buffer."""
-    return "output_buffer" in inspect.signature(vae.first_stage_model.decode).parameters
+    return "output_buffer" in inspect.signature(fsm.decode).parameters
+
+
+def _chunks_time_itself(vae) -> bool:
+    return _decode_takes_output_buffer(vae.first_stage_model)
 
 
 def layered_supported(staged: StagedDecoder | None, latent: torch.Tensor) -> bool:
@@ -391,8 +399,8 @@ def measure_layered(vae, staged: StagedDecoder, latent: torch.Tensor) -> float:
     """Bytes per output pixel of the layered decode, from a probe decode of a crop (at most 32x32 latent px)."""
     dev = torch.device(vae.device)
     s = _spatial_scale(vae)
-    ph, pw = min(latent.shape[-2], 32), min(latent.shape[-1], 32)
-    probe = latent[:1, :, :ph, :pw].to(dev, vae.vae_dtype)
+    probe = _probe_crop(latent).to(dev, vae.vae_dtype)
+    ph, pw = probe.shape[-2:]
     _, m = measure_peak_bytes(lambda: decode_layered(staged.run, staged.tail, probe, bands=LAYERED_BANDS,
                                                      output_device=dev), dev)
     return m.peak_bytes / (ph * pw * s * s) * 1.05         # +5%: the probe's bands are shorter than the image's
@@ -511,7 +519,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
             rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
     if plan.mode == "spatial" and not tile and not video:
         default_norms, default_halo = len(staged.tail_norms), halo_px
-        for alt, scale_label in deeper_stems(vae):
+        for alt, scale_label in deeper_stems(vae, staged):
             try:
                 alt_cost, alt_halo, _ = measure_cost(vae, alt, samples, whole_bpp=cost.whole_bytes_per_px)
                 alt_plan = plan_decode(tuple(samples.shape), s, alt_cost, budget, halo_px=alt_halo,

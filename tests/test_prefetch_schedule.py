@@ -300,7 +300,7 @@ def test_split_plan_spends_the_budget_a_common_cap_leaves_over(make, inputs, mon
     with torch.no_grad():
         ref = m(*x)
     with monkeypatch.context() as mp:
-        mp.setattr(engine, "_fill_split", lambda store, cuts, d, spare: tuple(cuts))
+        mp.setattr(engine, "spend_leftover", lambda heads, cuts, spare, depth: tuple(cuts))
         probe = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, _tight(m, _rec())), _rec(), bandwidth=0)
         heads = [probe.store.head_bytes(b) for b in range(probe.store.n_blocks)]
         step = max(heads[b][k] - heads[b][k - 1] for b, k in enumerate(probe.plan.cuts) if k)
@@ -603,7 +603,7 @@ def test_comfyui_split_layout_spends_the_leftover_too(monkeypatch):
         return other + sum(sizes) - layout.streamed_bytes + 2 * layout.cap      # depth 1: two slots of the cap
 
     with monkeypatch.context() as mp:
-        mp.setattr(bridge, "_spend_leftover", lambda heads, cuts, spare, depth: list(cuts))
+        mp.setattr(bridge, "spend_leftover", lambda heads, cuts, spare, depth: tuple(cuts))
         probe = bridge._split_blocks(blocks, other, other + sum(sizes) // 2 + 2 * max(sizes), 1)
         leaves = [module_bytes(mod) for mod in blocks[0][1].modules() if not any(True for _ in mod.children())]
         budget = need(probe) + int(2.5 * max(leaves))

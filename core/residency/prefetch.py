@@ -536,7 +536,8 @@ def _split_plan(store: HostStore, d: int, budget_bytes: float,
     Every block streams the longest head of its tensors that fits a common cap; the rest of it
     stays resident. Streamed bytes only grow with the cap, so the smallest cap that fits is the
     plan (raising the cap grows the slots by (d + 1) x the step but frees up to n x the step of
-    resident tails). Caps are tried in increasing order of head size."""
+    resident tails). Caps are tried in increasing order of head size; the budget the cap leaves over is then
+    spent block by block (``spend_leftover``)."""
     heads = [store.head_bytes(b) for b in range(store.n_blocks)]
     total = sum(store.block_bytes())
     for cap in sorted({h for hs in heads for h in hs if h > 0}):
@@ -548,33 +549,33 @@ def _split_plan(store: HostStore, d: int, budget_bytes: float,
             continue   # even with free slots the resident tails do not fit
         dev, slots, streamed = _split_layout(store, cuts, d)
         if remainder_bytes + dev <= budget_bytes:
-            cuts = _fill_split(store, cuts, d, budget_bytes - remainder_bytes - dev)
+            cuts = spend_leftover(heads, cuts, budget_bytes - remainder_bytes - dev, d)
             dev, slots, streamed = _split_layout(store, cuts, d)
             return cuts, remainder_bytes + dev, slots, streamed
     return None
 
 
-def _fill_split(store: HostStore, cuts: Sequence[int], d: int, spare: float) -> tuple[int, ...]:
-    """Spend the budget a common cap leaves over on keeping more tensors resident, block by block.
+def spend_leftover(heads: Sequence[Sequence[int]], cuts: Sequence[int], spare: float, depth: int) -> tuple[int, ...]:
+    """Spend the budget a common cap leaves over on keeping more of each block resident.
 
+    heads[b][k]: bytes block ``b`` streams when its first ``k`` tensors (or modules) stream; cuts[b]: its k.
     One cap for every block moves in steps of one tensor per block (a FLUX block's MLP weight is 75 MB, so one
     step is 57 x 75 MB), which can leave a GiB of the budget unused while those bytes stream every step. Here
-    blocks give up the last tensor of their streamed head, largest first, while the spare room allows: each such
-    tensor moves from the stream to the resident tail byte for byte, and the slots never grow (they hold the
-    widest head, which only shrinks)."""
-    heads = [store.head_bytes(b) for b in range(store.n_blocks)]
+    blocks give up the last piece of their streamed head, largest first, while the spare room allows: each piece
+    moves from the stream to the resident tail byte for byte, and the slots never grow (they hold the widest
+    head, which only shrinks). At least ``depth + 2`` blocks keep streaming: with ``depth + 1`` the slots would
+    hold them all and nothing would cycle. Used by the engine and by the ComfyUI bridge's per-module split."""
     cuts = list(cuts)
-    streaming = sum(1 for k in cuts if k)
+    streaming = sum(1 for hs, k in zip(heads, cuts) if hs[k])
     while True:
-        steps = [(heads[b][k] - heads[b][k - 1], -b) for b, k in enumerate(cuts) if k]
-        # at least d + 2 blocks keep streaming: with d + 1 the slots would hold them all and nothing would cycle
-        fits = [(step, nb) for step, nb in steps if 0 < step <= spare and (cuts[-nb] > 1 or streaming - 1 > d + 1)]
+        fits = [(hs[k] - hs[k - 1], -b) for b, (hs, k) in enumerate(zip(heads, cuts))
+                if k and 0 < hs[k] - hs[k - 1] <= spare and (hs[k - 1] > 0 or streaming - 1 > depth + 1)]
         if not fits:
             return tuple(cuts)
         step, nb = max(fits)
         cuts[-nb] -= 1
         spare -= step
-        streaming -= cuts[-nb] == 0
+        streaming -= heads[-nb][cuts[-nb]] == 0
 
 
 def _score_split(store, d, cuts, need, slots, streamed, bandwidth, block_compute_s, other_compute_s) -> GroupPlan:

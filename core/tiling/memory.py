@@ -51,6 +51,11 @@ class _LiveTensorBytes(TorchDispatchMode):
         return out
 
 
+def peak_method(device: torch.device | str) -> str:
+    """How ``measure_peak_bytes`` measures on ``device`` (the report names it)."""
+    return "cuda.max_memory_allocated" if torch.device(device).type == "cuda" else "live-tensor tracking (dispatch)"
+
+
 def measure_peak_bytes(fn: Callable[[], object], device: torch.device | str) -> tuple[object, PeakMeasurement]:
     """Run ``fn()`` and return (its result, the peak bytes it allocated on ``device``).
 
@@ -66,8 +71,8 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device | str) -> 
         result = fn()
         torch.cuda.synchronize(device)   # the peak is only final once queued kernels ran
         peak = torch.cuda.max_memory_allocated(device) - base
-        return result, PeakMeasurement(int(max(0, peak)), "cuda.max_memory_allocated")
+        return result, PeakMeasurement(int(max(0, peak)), peak_method(device))
     mode = _LiveTensorBytes()
     with mode:
         result = fn()
-    return result, PeakMeasurement(int(mode.peak), "live-tensor tracking (dispatch)")
+    return result, PeakMeasurement(int(mode.peak), peak_method(device))

@@ -145,7 +145,7 @@ def test_kl_budget_for_a_deeper_stem_tiles_only_the_last_stage(comfy_env, kl_vae
     ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.042)
     assert "mode=spatial" in report and "deeper stem: the stages up to 1/2 of the output scale" in report, report
     original = bridge_vae.deeper_stems
-    bridge_vae.deeper_stems = lambda vae: []
+    bridge_vae.deeper_stems = lambda vae, staged: []
     try:
         shallow, shallow_report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.042)
     finally:
