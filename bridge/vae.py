@@ -7,7 +7,8 @@ Supported seamless paths, detected from the model's modules rather than ComfyUI'
   * HunyuanVideo 1.0 (the 3-D KL decoder) and 1.5 (``comfy.ldm.hunyuan_video.vae_refiner.Decoder``): time in the
     decoder's own carried-convolution chunks, streamed; spatial tiles;
   * LTX-Video VAE (``comfy.ldm.lightricks.vae.causal_video_autoencoder.VideoVAE``): spatial tiles, all frames per
-    tile (the decoder is not causal; on 0.33 it chunks time itself inside each call);
+    tile (the decoder is not causal; on 0.33 it chunks time itself inside each call); on 0.8 exact temporal
+    chunks that stream each time unit's context (``core/tiling/stream.py``);
   * Wan 2.1 VAE (``comfy.ldm.wan.vae.WanVAE``) and Wan 2.2 VAE (``comfy.ldm.wan.vae2_2.WanVAE``): causal,
     temporal chunks with the feature cache carried + spatial tiles. ComfyUI 0.33's Wan 2.1 decoder walks the
     frames in its own chunks (first frame, then pairs); its temporal chunks are those calls (``decode_streamed``).
@@ -32,6 +33,7 @@ from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasuremen
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.memory import peak_method
 from ..core.tiling.overrides import StopDecode, override_forwards
+from ..core.tiling.stream import StreamStats, TimeUnit, decode_time_streamed, measure_units, stream_latency
 from .inputs import require_vae
 
 log = logging.getLogger("levers")
@@ -272,11 +274,31 @@ def _ltx(fsm, dec) -> tuple[StagedDecoder | None, str]:
         out = fsm.decode(z, output_buffer=frames)
         return torch.cat(frames.pieces, 2) if frames.pieces else out
 
+    units, stream_why = ([], "the decoder chunks time itself") if chunked else _ltx_time_units(dec)
     staged = StagedDecoder(run=run, stem=stem, boundary=dec.up_blocks[last - 1], tail=tail,
                            stem_run_stand_ins={dec.up_blocks[last]: _no_frames, dec.conv_norm_out: _stop},
-                           whole_frames=True)
-    return staged, ("LTX-Video VAE: stages up to the last spatial upsampler run whole, the rest tiled (all frames "
-                    "per tile" + ("; the decoder chunks time itself" if chunked else "") + ")")
+                           whole_frames=True, time_decoder=dec if units else None, time_units=units)
+    return staged, ("LTX-Video VAE: stages up to the last spatial upsampler run whole, the rest tiled, all frames "
+                    "per tile; time: " + stream_why)
+
+
+def _ltx_time_units(dec) -> tuple[list, str]:
+    """ComfyUI 0.8's LTX decoder as a chain of time units (``core/tiling/stream.py``): ``conv_in``, every residual
+    block and depth-to-space upsampler, ``conv_out``; the glue between them (pixel norms, activations, the
+    timestep scale and shift, unpatchify) is per frame. Not with GroupNorm (statistics over all frames) or
+    attention, and only when every time convolution sits inside a unit."""
+    if any(isinstance(m, torch.nn.GroupNorm) for m in dec.modules()):
+        return [], "GroupNorm over all frames: no exact temporal chunks (spatial tiles only)"
+    if any("attention" in type(m).__name__.lower() for m in dec.modules()):
+        return [], "attention in the decoder: no exact temporal chunks (spatial tiles only)"
+    units = [dec.conv_in] + [m for m in dec.up_blocks.modules()
+                             if type(m).__name__ in ("ResnetBlock3D", "DepthToSpaceUpsample")] + [dec.conv_out]
+    inside = {id(c) for u in units for c in u.modules()}
+    stray = [n for n, m in dec.named_modules() if isinstance(m, torch.nn.Conv3d) and id(m) not in inside]
+    if stray:
+        return [], f"time convolutions outside the known units ({', '.join(stray[:3])}): no exact temporal chunks"
+    return units, (f"exact temporal chunks streamed through {len(units)} time units (each keeps the context "
+                   "frames it needs)")
 
 
 def _is_wan_decoder(fsm, dec) -> bool:
@@ -381,6 +403,25 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
     return cost, halo, whole.method
 
 
+def measure_stream(vae, staged: StagedDecoder, latent: torch.Tensor) -> tuple[list[TimeUnit], float, float]:
+    """The time units of a decoder streamed through time, and what one chunk costs: (units, base, per latent
+    frame of the chunk), bytes per output px of a frame. Units from a 2x2-latent, 2-frame probe; costs from
+    streaming a crop (at most 8x8 latent px, the units' latency + 6 frames) in chunks of 1 and 2 frames."""
+    dev = torch.device(vae.device)
+    tiny = latent[:1, :, :2, :2, :2].to(dev, vae.vae_dtype)
+    units = measure_units(staged.run, staged.time_units, tiny)
+    frames = min(latent.shape[2], math.ceil(stream_latency(units)) + 6)
+    probe = latent[:1, :, :frames, :min(latent.shape[-2], 8), :min(latent.shape[-1], 8)].to(dev, vae.vae_dtype)
+    frame_px = probe.shape[-2] * probe.shape[-1] * _spatial_scale(vae) ** 2
+    peaks = []
+    for chunk in (1, 2):
+        _, m = measure_peak_bytes(lambda: decode_time_streamed(staged.run, staged.time_decoder, units, probe, chunk,
+                                                               output_device=dev), dev)
+        peaks.append(m.peak_bytes / frame_px)
+    per_frame = max(0.0, peaks[1] - peaks[0])
+    return units, max(peaks[0] - per_frame, 0.0) * 1.1, per_frame * 1.1        # +10%: shorter probe windows
+
+
 def _decode_takes_output_buffer(fsm) -> bool:
     """LTX on ComfyUI 0.33 walks the frames in chunks sized from the card and writes them to an output buffer."""
     return "output_buffer" in inspect.signature(fsm.decode).parameters
@@ -475,6 +516,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                 "(sizes set on the node still apply)")
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
+    streams = video and staged is not None and bool(staged.time_units)
     all_frames = video and staged is not None and (staged.streamed or staged.whole_frames)
     chunk_frames = max(1, tsize // t_compress) if (tsize and video) else None
     if own and chunk_frames is not None:
@@ -483,15 +525,24 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     frame_px = samples.shape[-2] * samples.shape[-1] * s * s
     if not tile and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
         cost = dataclasses.replace(cost, layered_bytes_per_px=measure_layered(vae, staged, samples))
+    units: list[TimeUnit] = []
+    whole_need = (cost.whole_bytes_per_px + cost.output_bytes_per_px * _out_frames(vae, samples.shape[2])) * frame_px \
+        if video else 0
+    if streams and not tile and (chunk_frames is not None or whole_need > budget):
+        units, base, per_frame = measure_stream(vae, staged, samples)
+        cost = dataclasses.replace(cost, stream_base_bytes_per_px=base, stream_frame_bytes_per_px=per_frame)
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
             f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px"
             + (f", layered {cost.layered_bytes_per_px:.0f} B/px" if cost.layered_bytes_per_px else "")
+            + (f", streamed chunk {cost.stream_base_bytes_per_px:.0f} + {cost.stream_frame_bytes_per_px:.0f} B/px per "
+               "latent frame" if units else "")
             + f"; tail receptive field {halo_px:.0f} px")
     try:
         plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
                            tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
                            chunk_frames=chunk_frames, spatial_supported=staged is not None,
-                           temporal_supported=staged is not None and (staged.causal or staged.streamed),
+                           temporal_supported=staged is not None and (staged.causal or staged.streamed or
+                                                                      bool(units)),
                            out_frames=_out_frames(vae, samples.shape[2]) if video else None,
                            auto_chunk_frames=staged.own_chunk_frames if own else 1,
                            tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
@@ -545,11 +596,16 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                 (" (which walks them in its own chunks)" if own or _chunks_time_itself(vae) else ""))
     rep.add("plan: " + plan.describe(s))
     rep.add("why: " + plan.reason)
-    if video and tsize and staged is not None and staged.whole_frames:
+    if plan.mode == "temporal" and units:
+        rep.add(f"streamed through time: {len(units)} time units keep their context frames (radius "
+                + "/".join(str(u.radius) for u in units[:1] + units[-1:]) + " frames at the first/last unit; the last "
+                f"output frame of a chunk waits for {stream_latency(units):.1f} latent frames after it)")
+    if video and tsize and staged is not None and staged.whole_frames and not (plan.mode == "temporal" and units):
         rep.add("temporal_size ignored: this decoder is not causal in time, so each tile decodes all frames in one "
                 "call" + (" (the decoder chunks time itself)" if _chunks_time_itself(vae) else ""))
     if video and settings.temporal_overlap:
-        rep.add("temporal_overlap ignored: chunks carry the causal cache, so they need no overlap")
+        rep.add("temporal_overlap ignored: chunks " + ("stream each unit's context frames" if units else
+                                                       "carry the causal cache") + ", so they need no overlap")
 
     latent = samples.to(torch.device(vae.device), vae.vae_dtype)
     dev = torch.device(vae.device)
@@ -563,6 +619,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     interrupt = mm.throw_exception_if_processing_interrupted
     info = DecodeStats()
     layered = LayeredStats()
+    streamed = StreamStats()
     t0 = time.perf_counter()
 
     def run():
@@ -580,6 +637,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         if plan.mode == "layered":
             out = decode_layered(staged.run, staged.tail, latent, bands=LAYERED_BANDS, output_device=vae.output_device,
                                  progress=progress, interrupt=interrupt, info=layered)
+        elif plan.mode == "temporal" and units:
+            out = decode_time_streamed(staged.run, staged.time_decoder, units, latent, plan.chunk_frames,
+                                       vae.output_device, progress, interrupt,
+                                       total_frames=_out_frames(vae, samples.shape[2]), stats=streamed)
         elif plan.mode == "temporal" and own:
             out = decode_streamed(staged.run, staged.stream_module, latent, vae.output_device, progress, interrupt,
                                   total_frames=_out_frames(vae, samples.shape[2]))
@@ -611,6 +672,9 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         rep.add(f"layered: {layered.units} modules in up to {layered.bands} row bands, {layered.passes} module passes "
                 f"(statistics passes included); rows of context per band: {halos}; exact GroupNorm statistics"
                 + ("" if settings.stats == "tiles" else f" (groupnorm_stats={settings.stats} applies to tiles only)"))
+    if plan.mode == "temporal" and units:
+        rep.add(f"streamed: {streamed.calls} decoder calls; units computed {streamed.work:.2f}x the frames of the "
+                "whole decode (context recomputed per chunk)")
     if peak is not None:
         rep.add(f"peak: predicted {plan.predicted_peak_bytes / GIB:.3f} GiB, measured {peak.peak_bytes / GIB:.3f} GiB "
                 f"({peak.method})")

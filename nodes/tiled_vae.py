@@ -44,8 +44,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                                      "receptive field, which makes tiles exact. Smaller values are blended."),
                 io.Int.Input("temporal_size", default=0, min=0, max=4096, step=4,
                              tooltip="Video only: output frames per chunk. 0 = auto (whole video if it fits, else "
-                                     "one latent frame at a time, or the decoder's own chunks where it has them). Chunks "
-                                     "carry the causal cache, so they are exact."),
+                                     "one latent frame at a time, or the decoder's own chunks where it has them; LTX "
+                                     "on ComfyUI 0.8: the longest streamed chunk that fits). Chunks carry the causal "
+                                     "cache (or stream each layer's context), so they are exact."),
                 io.Int.Input("temporal_overlap", default=0, min=0, max=4096, step=4,
                              tooltip="Accepted for VAEDecodeTiled parity; not needed (chunks are exact), ignored."),
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,

@@ -168,3 +168,20 @@ def test_layered_between_whole_and_tiles():
     assert plan_decode((2, 16, 64, 64), 8, cost, budget_bytes=4001 * px).mode == "whole"        # batch slicing
     assert plan_decode((1, 16, 3, 64, 64), 8, cost, budget_bytes=3000 * px,
                        temporal_supported=False).mode == "spatial"
+
+
+def test_streamed_video_takes_the_longest_chunk_that_fits():
+    """A decoder streamed through time costs base + per frame of the chunk; auto picks the longest that fits
+    (each chunk recomputes its units' context), a user's temporal_size is kept."""
+    cost = DecodeCost(whole_bytes_per_px=4000, tile_bytes_per_px=100, stream_base_bytes_per_px=200,
+                      stream_frame_bytes_per_px=100)
+    frame_px = 32 * 32 * 64
+    budget = int((200 + 100 * 5.5) * frame_px)
+    plan = plan_decode((1, 8, 13, 32, 32), 8, cost, budget, temporal_supported=True, out_frames=97)
+    assert plan.mode == "temporal" and plan.chunk_frames == 5
+    assert plan.predicted_peak_bytes == (200 + 100 * 5) * frame_px <= budget
+    assert "context frames" in plan.reason
+    user = plan_decode((1, 8, 13, 32, 32), 8, cost, budget, temporal_supported=True, chunk_frames=2)
+    assert user.chunk_frames == 2
+    roomy = plan_decode((1, 8, 13, 32, 32), 8, cost, 10 ** 12, temporal_supported=True, chunk_frames=None)
+    assert roomy.mode == "whole"

@@ -65,6 +65,8 @@ class StagedDecoder:
     return no frames so a chunked decoder skips the rest of each chunk).
     whole_frames: a video decoder that is not causal (LTX): every tile run decodes all frames at once, so the
     boundary's stand-in returns all stem frames (the stand-in latent cannot carry frame indices through it).
+    time_decoder / time_units: for such a decoder, the module ``run`` calls with the whole latent and the time
+    units it chains (``stream.py``): its exact temporal chunks stream each unit's context instead.
     """
 
     run: Callable[[torch.Tensor], torch.Tensor]
@@ -81,6 +83,8 @@ class StagedDecoder:
     own_chunk_frames: int = 0
     stem_run_stand_ins: dict = field(default_factory=dict)
     whole_frames: bool = False
+    time_decoder: nn.Module | None = None
+    time_units: list[nn.Module] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.tail_norms:

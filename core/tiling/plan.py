@@ -24,6 +24,10 @@ class DecodeCost:
     stored_bytes_per_px: float = 0.0   # stem output kept while tiles run, per output pixel (per latent frame)
     output_bytes_per_px: float = 0.0   # decoded frames accumulated on the device by the whole path, per frame
     layered_bytes_per_px: float = 0.0  # the layered decode (tail modules in row bands), per output px; 0 = n/a
+    # a decoder streamed through time (not causal: each time unit keeps its own context, stream.py): one chunk
+    # costs base + per latent frame of the chunk, per output px of a frame; 0 = chunks cost like the whole decode
+    stream_base_bytes_per_px: float = 0.0
+    stream_frame_bytes_per_px: float = 0.0
     method: str = ""                   # how the numbers were measured
 
 
@@ -72,8 +76,9 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
     halo_px: the tail's receptive-field radius in output px (context a tile needs to be exact).
     tile / overlap: user sizes in latent units (None = auto). chunk_frames: latent frames per
     temporal chunk (None = auto: ``auto_chunk_frames``, the smallest chunk the decoder can run
-    exactly). out_frames: decoded frames for a video latent (None = T). tile_out_frames: output frames
-    a video tile keeps on the device until it ends (a decoder that runs all frames of a tile in one call).
+    exactly; for a decoder streamed through time, the longest chunk that fits). out_frames: decoded
+    frames for a video latent (None = T). tile_out_frames: output frames a video tile keeps on the
+    device until it ends (a decoder that runs all frames of a tile in one call).
     Auto never tiles when the whole decode fits. For an image that does not fit whole, the layered decode
     (``cost.layered_bytes_per_px`` > 0) comes before tiles: it is exact and recomputes only a few rows.
     """
@@ -100,7 +105,11 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         out = cost.output_bytes_per_px * frame_px * n_out if video else 0
         return int(batch * (cost.whole_bytes_per_px * frame_px + out))
 
+    streamed = cost.stream_base_bytes_per_px > 0 or cost.stream_frame_bytes_per_px > 0
+
     def chunk_peak(frames: int) -> int:
+        if streamed:            # each chunk's frames leave the device as the decoder returns them
+            return int((cost.stream_base_bytes_per_px + cost.stream_frame_bytes_per_px * frames) * frame_px)
         return int(cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
 
     if tile is None or (tile >= h and tile >= w):
@@ -110,10 +119,16 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
                             "the whole decode fits the budget: no tiling (identical to VAEDecode)")
         if video and temporal_supported and tile is None:
             cf = chunk_frames or auto_chunk_frames
+            if streamed and chunk_frames is None:
+                # streaming recomputes each unit's context per chunk: the longest chunk that fits wastes least
+                cf = max([f for f in range(1, t + 1) if chunk_peak(f) <= budget], default=cf)
             if chunk_peak(cf) <= budget or not spatial_supported:
+                how = ("each time unit keeping the context frames it needs (exact"
+                       + ("; the longest chunk that fits)" if chunk_frames is None else ")")
+                       if streamed else "the causal cache carried across them (exact)")
                 return TilePlan("temporal", 1, None, 0, cf, chunk_peak(cf), budget,
                                 "the whole video does not fit or chunks were asked for: decoding in temporal "
-                                "chunks with the causal cache carried across them (exact)")
+                                f"chunks with {how}")
         if not video:
             b_fit = int(budget // max(1, whole_peak(1)))
             if b_fit >= 1 and tile is None:

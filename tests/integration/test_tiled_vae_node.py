@@ -543,3 +543,58 @@ def test_ltx_costs_scale_with_frames_unless_the_decoder_chunks_time(comfy_env):
     factor = 1.0 if chunked else 3.0
     for name in ("whole_bytes_per_px", "tile_bytes_per_px", "stem_bytes_per_px"):
         assert getattr(long, name) == pytest.approx(getattr(short, name) * factor, rel=0.15), (name, chunked)
+
+
+def _streams_time(comfy_env, vae) -> None:
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    if bridge_vae._chunks_time_itself(vae):
+        pytest.skip("this ComfyUI's LTX decoder walks the frames in its own chunks (0.33+): Levers streams time "
+                    "itself only for the decoder that runs all frames at once (0.8.0)")
+
+
+def test_ltx_temporal_chunks_stream_exactly(comfy_env):
+    """ComfyUI 0.8.0's LTX decoder is not causal (every time convolution pads both ends), so plain chunks in time
+    differ from the whole decode. Levers streams it: each time unit (conv_in, residual blocks, upsamplers, conv_out)
+    keeps the context frames it needs, and chunks equal VAEDecode up to float rounding, with the timestep
+    conditioning's per-frame glue in between."""
+    vae = _without_decode_noise(ltx_vae(True))
+    _streams_time(comfy_env, vae)
+    latent = {"samples": smooth_latent((1, 128, 5, 4, 6), 21)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, vae, temporal_size=16, memory_budget_gb=64)
+    assert "mode=temporal" in report and "chunk=2 latent frame" in report and "streamed through time" in report
+    assert "temporal_size ignored" not in report and ours.shape == ref.shape == (33, 128, 192, 3), report
+    comfy_chunks = comfy_env.nodes.VAEDecodeTiled().decode(vae, latent, 1024, 64, 16, 8)[0]
+    p, p_comfy = psnr(ours, ref), psnr(comfy_chunks, ref)
+    print(f"\nLTX temporal chunks of 16 frames: Levers {p:.1f} dB, VAEDecodeTiled (temporal 16 / 8) {p_comfy:.1f} dB"
+          f"\n{report}")
+    assert p >= 60 and p >= p_comfy + 10, report
+
+
+def test_ltx_streamed_chunks_fit_the_budget_they_were_planned_for(comfy_env):
+    """Auto: a budget below the whole decode's peak plans the longest streamed chunk that fits; the streamed
+    decode's measured peak (live-tensor count) stays within the prediction, and below the whole decode's."""
+    from comfyui_levers.bridge import vae as bridge_vae
+    from comfyui_levers.core.tiling import measure_peak_bytes
+    from comfyui_levers.core.tiling.stream import decode_time_streamed
+
+    vae = _without_decode_noise(ltx_vae(False))
+    _streams_time(comfy_env, vae)
+    z = smooth_latent((1, 128, 9, 4, 6), 22)
+    ref, whole = measure_peak_bytes(lambda: comfy_env.nodes.VAEDecode().decode(vae, {"samples": z})[0], "cpu")
+    budget = 0.4 * whole.peak_bytes
+    ours, report = run_node(comfy_env, {"samples": z}, vae, memory_budget_gb=budget / 1024 ** 3)
+    assert "mode=temporal" in report and "streamed" in report, report
+    p = psnr(ours, ref)
+    assert p >= 60, report
+    staged, _ = bridge_vae.describe_vae(vae)
+    units, base, per_frame = bridge_vae.measure_stream(vae, staged, z)
+    frame_px = 4 * 6 * 32 * 32
+    chunk = max(f for f in range(1, 10) if (base + per_frame * f) * frame_px <= budget)
+    assert f"chunk={chunk} latent frame" in report, report
+    _, peak = measure_peak_bytes(lambda: decode_time_streamed(staged.run, staged.time_decoder, units, z, chunk), "cpu")
+    predicted = (base + per_frame * chunk) * frame_px
+    print(f"\nLTX streamed, 9 latent frames: {p:.1f} dB, chunk {chunk}, peak {peak.peak_bytes / 2 ** 20:.1f} MiB, predicted "
+          f"{predicted / 2 ** 20:.1f} MiB, whole decode {whole.peak_bytes / 2 ** 20:.1f} MiB")
+    assert peak.peak_bytes <= predicted <= budget < whole.peak_bytes

@@ -1,0 +1,207 @@
+"""Streaming a non-causal video decoder through its frames (core/tiling/stream.py), on a toy shaped like
+ComfyUI 0.8's LTX-Video decoder: time convolutions padded at both ends by repeating the edge frame,
+residual blocks, a depth-to-space upsampler that doubles the frames and drops the first, per-frame glue."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comfyui_levers.core.errors import ConfigError
+from comfyui_levers.core.tiling import measure_peak_bytes, override_forwards
+from comfyui_levers.core.tiling.stream import TimeStream, measure_units
+
+
+class TimeConv(nn.Module):
+    """A 3x3x3 convolution padded in time by repeating the first and last frames (LTX's non-causal conv)."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv3d(cin, cout, 3, padding=(0, 1, 1))
+
+    def forward(self, x):
+        x = torch.cat([x[:, :, :1], x, x[:, :, -1:]], 2)
+        return self.conv(x)
+
+
+def pixel_norm(x):
+    return x / torch.sqrt((x * x).mean(1, keepdim=True) + 1e-6)
+
+
+class Res(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.conv2 = TimeConv(c, c), TimeConv(c, c)
+
+    def forward(self, x, timestep=None):
+        h = F.silu(pixel_norm(x))
+        if timestep is not None:
+            h = h * (1 + timestep)
+        return x + self.conv2(F.silu(pixel_norm(self.conv1(h))))
+
+
+class Up(nn.Module):
+    """Depth-to-space x2 in time and space; the first output frame is dropped (LTX's DepthToSpaceUpsample)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = TimeConv(c, c * 8 // 2)
+
+    def forward(self, x):
+        y = self.conv(x)                                           # [B, (C/2)*8, T, H, W]
+        b, c8, t, h, w = y.shape
+        c = c8 // 8
+        y = y.reshape(b, c, 2, 2, 2, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, c, 2 * t, 2 * h, 2 * w)
+        return y[:, :, 1:]
+
+
+class Mid(nn.Module):
+    def __init__(self, c, n):
+        super().__init__()
+        self.blocks = nn.ModuleList([Res(c) for _ in range(n)])
+
+    def forward(self, x, timestep=None):
+        for b in self.blocks:
+            x = b(x, timestep=timestep)
+        return x
+
+
+class ToyDecoder(nn.Module):
+    def __init__(self, z=4, c=16, global_op=False):
+        super().__init__()
+        self.conv_in = TimeConv(z, c)
+        self.mid = Mid(c, 2)
+        self.up1 = Up(c)
+        self.res1 = Mid(c // 2, 1)
+        self.up2 = Up(c // 2)
+        self.conv_out = TimeConv(c // 4, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, c // 4))
+        self.global_op = global_op
+
+    def forward(self, x, timestep=None):
+        h = self.conv_in(x)
+        if self.global_op:
+            h = h - h.mean(2, keepdim=True)                        # a norm over time: cannot stream
+        h = self.mid(h, timestep=timestep)
+        h = self.res1(self.up1(h))
+        h = F.silu(pixel_norm(self.up2(h)) * self.scale[None, :, None, None, None])
+        return self.conv_out(h)
+
+    def units(self):
+        return [self.conv_in, *self.mid.blocks, self.up1, *self.res1.blocks, self.up2, self.conv_out]
+
+
+def _toy(global_op=False):
+    torch.manual_seed(0)
+    return ToyDecoder(global_op=global_op).eval()
+
+
+def _stream(dec, z, chunk, **kw):
+    units = measure_units(lambda p: dec(p, timestep=torch.tensor(0.3)), dec.units(), z[:, :, :2, :2, :2])
+    stream = TimeStream(dec, units, chunk, **kw)
+    with torch.inference_mode(), override_forwards(stream.replacements()):
+        out = dec(z, timestep=torch.tensor(0.3))
+    return out, stream, units
+
+
+def test_units_are_measured_in_call_order_with_radius_and_frame_map():
+    dec = _toy()
+    _, _, units = _stream(dec, torch.randn(1, 4, 3, 4, 4), 1)
+    assert [u.module for u in units] == dec.units()
+    assert [u.radius for u in units] == [1, 2, 2, 1, 2, 1, 1]       # one conv: 1 frame; a residual block: 2
+    assert [(u.up, u.drop) for u in units if u.up > 1] == [(2, 1), (2, 1)]
+    assert [u.rate for u in units] == [1, 1, 1, 2, 2, 4, 4]
+    assert [u.scale for u in units] == [1, 1, 1, 2, 1, 2, 1]
+
+
+@pytest.mark.parametrize("t,chunk", [(1, 1), (2, 1), (5, 1), (5, 2), (7, 3), (9, 4), (6, 6), (4, 10)])
+def test_streamed_decode_equals_the_whole_decode(t, chunk):
+    dec = _toy()
+    z = torch.randn(1, 4, t, 3, 5)
+    with torch.inference_mode():
+        ref = dec(z, timestep=torch.tensor(0.3))
+    out, stream, _ = _stream(dec, z, chunk)
+    assert out.shape == ref.shape == (1, 3, 4 * t - 3, 12, 20)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert stream.stats.calls >= -(-t // chunk)
+
+
+def test_plain_chunks_are_a_different_function():
+    """The premise: without the units' context, chunks in time differ from the whole decode."""
+    dec = _toy()
+    z = torch.randn(1, 4, 6, 3, 5)
+    with torch.inference_mode():
+        ref = dec(z)
+        plain = torch.cat([dec(z[:, :, :3]), dec(z[:, :, 3:])], 2)
+    assert plain.shape != ref.shape or (plain - ref).abs().max() > 1e-2
+
+
+def test_longer_chunks_recompute_less_and_hold_more():
+    dec = _toy()
+    z = torch.randn(1, 4, 16, 6, 6)
+    work, peaks = [], []
+    for chunk in (1, 4):
+        (out, stream, _), peak = measure_peak_bytes(lambda: _stream(dec, z, chunk), "cpu")
+        work.append(stream.stats.work)
+        peaks.append(peak.peak_bytes)
+    assert work[0] > work[1] > 1.0
+    with torch.inference_mode():
+        _, whole = measure_peak_bytes(lambda: dec(z, timestep=torch.tensor(0.3)), "cpu")
+    assert peaks[0] < peaks[1] < whole.peak_bytes
+
+
+def test_each_chunk_leaves_for_the_output_device_and_counts_progress():
+    dec = _toy()
+    z = torch.randn(1, 4, 6, 2, 2)
+    seen = []
+    out, stream, _ = _stream(dec, z, 2, output_device="meta", progress=lambda d, n: seen.append((d, n)),
+                             total_frames=21)
+    assert out.device.type == "meta"
+    assert seen[-1] == (21, 21) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_a_norm_over_time_cannot_stream():
+    dec = _toy(global_op=True)
+    with pytest.raises(ConfigError, match="depends on every frame"):
+        # conv_in's own output is local; the mean over time sits between units, so the check is end to end:
+        # wrap the global op's neighbourhood as one unit (what a bridge would do) and measure it
+        units = [dec]
+        measure_units(lambda p: dec(p), units, torch.randn(1, 4, 2, 2, 2))
+
+
+def test_interrupt_restores_every_forward():
+    dec = _toy()
+    z = torch.randn(1, 4, 6, 2, 2)
+    units = measure_units(lambda p: dec(p), dec.units(), z[:, :, :2])
+
+    def stop():
+        raise KeyboardInterrupt
+
+    stream = TimeStream(dec, units, 1, interrupt=stop)
+    with pytest.raises(KeyboardInterrupt), torch.inference_mode(), override_forwards(stream.replacements()):
+        dec(z)
+    assert all("forward" not in m.__dict__ for m in [dec, *dec.units()])
+
+
+def test_bad_chunk_is_refused():
+    dec = _toy()
+    units = measure_units(lambda p: dec(p), dec.units(), torch.randn(1, 4, 2, 2, 2))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="chunk_frames"):
+            TimeStream(dec, units, bad)
+
+
+def test_decode_time_streamed_runs_each_sample_and_sums_the_work():
+    from comfyui_levers.core.tiling.stream import StreamStats, decode_time_streamed, stream_latency
+    dec = _toy()
+    z = torch.randn(2, 4, 5, 3, 3)
+    with torch.inference_mode():
+        ref = dec(z)
+    units = measure_units(dec, dec.units(), z[:1, :, :2, :2, :2])
+    stats, seen = StreamStats(), []
+    out = decode_time_streamed(dec, dec, units, z, 2, progress=lambda d, n: seen.append((d, n)),
+                               total_frames=17, stats=stats)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert seen[-1] == (34, 34) and stats.whole_input_frames == 2 * (5 * 4 + 9 * 2 + 17)
+    assert stats.work > 1.0
+    # conv_in 1 + two blocks 2 + 2 at latent rate, up1 1 at latent rate, a block 2 at 2x, up2 1 at 2x, conv_out 1 at 4x
+    assert stream_latency(units) == pytest.approx(1 + 2 + 2 + 1 + 1 + 0.5 + 0.25)
