@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import gc
+import inspect
 import importlib
 import json
 import logging
@@ -1913,7 +1914,9 @@ def _init_random(module: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if p.ndim == 1:
+            if p.ndim == 0:
+                p.fill_(1.0)
+            elif p.ndim == 1:
                 p.fill_(1.0) if (name.endswith("weight") and "norm" in name) else p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
@@ -2027,18 +2030,20 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
     _vae_auto_third(suite, tiling, sec, staged, z, ref, halo, whole, base, deadline)
     _vae_layered(suite, tiling, sec, staged, z, ref, whole, base, deadline)
     _vae_deeper_stem(suite, tiling, sec, dec, z, ref, whole, base, deadline, make, blocks)
-    if not smoke and suite.left(deadline) < 8:
-        sec["video"] = {"status": "skipped", "reason": "section deadline"}
-        return
-    try:
-        sec["video"] = _video_case(suite, tiling)
-    except Skip as exc:
-        sec["video"] = {"status": "skipped", "reason": str(exc)}
-        suite.results["skipped"].append(f"vae/video: {exc}")
-    except Exception as exc:  # noqa: BLE001 - the image numbers above stand on their own
-        sec["video"] = {"status": "oom" if is_oom(exc) else "failed", "reason": short_exc(exc),
-                        "traceback": traceback.format_exc(limit=8)[-2500:]}
-        log(f"  video case {sec['video']['status']}: {short_exc(exc, 200)}")
+    for name, case in (("video", _video_case), ("ltx_streamed", _ltx_streamed_case)):
+        if not smoke and suite.left(deadline) < 8:
+            sec[name] = {"status": "skipped", "reason": "section deadline"}
+            continue
+        try:
+            sec[name] = case(suite, tiling)
+        except Skip as exc:
+            sec[name] = {"status": "skipped", "reason": str(exc)}
+            suite.results["skipped"].append(f"vae/{name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the image numbers above stand on their own
+            sec[name] = {"status": "oom" if is_oom(exc) else "failed", "reason": short_exc(exc),
+                         "traceback": traceback.format_exc(limit=8)[-2500:]}
+            log(f"  {name} case {sec[name]['status']}: {short_exc(exc, 200)}")
+        free_device_memory(suite.device)
 
 
 def _vae_auto_third(suite: Suite, tiling, sec, staged, z, ref, halo, whole, base, deadline) -> None:
@@ -2160,6 +2165,20 @@ def _vae_deeper_stem(suite: Suite, tiling, sec, dec, z, ref, whole, base, deadli
     free_device_memory(dev)
 
 
+def _whole_video_decode(vae, z, tiling, dev, rec: dict, warm_frames: int):
+    """The model's own decode of ``z`` after a warm-up on its first frames: (output on the CPU in float32, its
+    peak); the time and peak go into ``rec`` as ``untiled_s`` / ``untiled_peak_bytes``."""
+    vae.decode(z[:, :, :warm_frames])
+    free_device_memory(dev)
+    t0 = time.perf_counter()
+    ref, whole = tiling.measure_peak_bytes(lambda: vae.decode(z), dev)
+    sync(dev)
+    rec.update({"untiled_s": rnd(time.perf_counter() - t0, 4), "untiled_peak_bytes": whole.peak_bytes})
+    ref = ref.to("cpu", torch.float32)
+    free_device_memory(dev)
+    return ref, whole
+
+
 def _video_case(suite: Suite, tiling) -> dict[str, Any]:
     """ComfyUI's own Wan 2.1 VAE (random weights): its decode (frame by frame, every frame kept on
     the GPU) vs Levers' temporal chunks with the causal cache carried (frames leave per chunk)."""
@@ -2178,14 +2197,7 @@ def _video_case(suite: Suite, tiling) -> dict[str, Any]:
     res: dict[str, Any] = {"shape_note": f"ComfyUI WanVAE(dim={dim}, z_dim=16), latent {t}x{h}x{w} -> "
                                          f"{(t - 1) * 4 + 1} frames of {h * 8}x{w * 8} px, {dt}"}
     with torch.inference_mode():
-        vae.decode(z[:, :, :1])                          # warm-up
-        sync(dev)
-        t0 = time.perf_counter()
-        ref, whole = tiling.measure_peak_bytes(lambda: vae.decode(z), dev)
-        sync(dev)
-        res.update({"untiled_s": rnd(time.perf_counter() - t0, 4), "untiled_peak_bytes": whole.peak_bytes})
-        ref = ref.to("cpu", torch.float32)
-        free_device_memory(dev)
+        ref, whole = _whole_video_decode(vae, z, tiling, dev, res, warm_frames=1)
         t0 = time.perf_counter()
         out, chunks = tiling.measure_peak_bytes(lambda: tiling.decode_temporal(staged, z, 1, output_device="cpu"), dev)
         res.update({"chunked_s": rnd(time.perf_counter() - t0, 4), "chunked_peak_bytes": chunks.peak_bytes,
@@ -2194,6 +2206,71 @@ def _video_case(suite: Suite, tiling) -> dict[str, Any]:
     log(f"  video: WanVAE decode peak {gb(whole.peak_bytes)} GiB in {res['untiled_s']}s, temporal chunks "
         f"{gb(chunks.peak_bytes)} GiB in {res['chunked_s']}s, bit-exact {res['bit_exact']}")
     return res
+
+
+def _ltx_streamed_case(suite: Suite, tiling, latent_thw: tuple[int, int, int] | None = None) -> dict[str, Any]:
+    """ComfyUI 0.8.0's LTX-Video VAE (the 0.9.5 decoder layout, random weights, bf16): its decode (all frames at
+    once) vs Levers' streamed temporal chunks (each time unit keeps its context frames), peak, time and PSNR.
+    ``latent_thw`` overrides the latent's frames, height and width (``bench/ltx_stream_cpu.py``)."""
+    if suite.comfy is None or not suite.comfy.ok:
+        raise Skip("needs ComfyUI's LTX VideoVAE class (--comfyui)")
+    import functools
+    from comfy.ldm.lightricks.vae.causal_video_autoencoder import VideoVAE
+    from comfyui_levers.bridge import vae as bridge_vae
+    if not hasattr(bridge_vae, "measure_stream"):
+        raise Skip("bridge/vae.py has no streamed LTX chunks (measure_stream)")
+    dev, dt, smoke = suite.device, DTYPE["value"], suite.smoke
+    layers = 1 if smoke else 5
+    res = lambda: ["res_x", {"num_layers": layers, "inject_noise": False}]
+    up = ["compress_all", {"residual": True, "multiplier": 2}]
+    cfg = {"dims": 3, "in_channels": 3, "out_channels": 3, "latent_channels": 128,
+           "decoder_blocks": [res(), up, res(), up, res(), up, res()],
+           "encoder_blocks": [["res_x", {"num_layers": 1}]], "scaling_factor": 1.0, "norm_layer": "pixel_norm",
+           "patch_size": 4, "latent_log_var": "uniform", "use_quant_conv": False, "causal_decoder": False,
+           "timestep_conditioning": True}
+    if "output_buffer" in inspect.signature(VideoVAE.decode).parameters:
+        raise Skip("this ComfyUI's LTX decoder walks the frames in its own chunks (0.33+)")
+    vae = VideoVAE(config=cfg)
+    with torch.no_grad():
+        for name, buf in vae.named_buffers():        # the latent statistics: identity un-normalisation
+            buf.fill_(1.0 if name.endswith("std-of-means") else 0.0)
+    vae = _init_random(vae, 0).to(device=dev, dtype=dt).eval()
+    vae.decode = functools.partial(VideoVAE.decode, vae, noise_scale=0.0)     # comparable decodes
+    t, h, w = latent_thw or ((3, 2, 3) if smoke else (13, 16, 24))           # 97 frames of 512x768
+    z = torch.randn(1, 128, t, h, w, device=dev, dtype=dt)
+    staged, why = bridge_vae._ltx(vae, vae.decoder)
+    out: dict[str, Any] = {"shape_note": f"ComfyUI 0.8.0 VideoVAE (LTX-Video 0.9.5 decoder layout, {layers} layers per "
+                                         f"stage, widths 1024..128), latent {t}x{h}x{w} -> {(t - 1) * 8 + 1} frames "
+                                         f"of {h * 32}x{w * 32} px, {dt}", "staging": why}
+    with torch.inference_mode():
+        ref, whole = _whole_video_decode(vae, z, tiling, dev, out, warm_frames=2)
+        units, base, per_frame = bridge_vae.measure_stream(vae_wrapper(vae), staged, z)
+        frame_px = h * w * 32 * 32
+        out["units"] = len(units)
+        out["chunks"] = []
+        for chunk in ((1, 2) if smoke else (1, 2, 4)):
+            free_device_memory(dev)
+            stats = tiling.StreamStats()
+            t0 = time.perf_counter()
+            got, m = tiling.measure_peak_bytes(lambda: tiling.decode_time_streamed(
+                staged.run, staged.time_decoder, units, z, chunk, output_device="cpu", stats=stats), dev)
+            sync(dev)
+            s_ = time.perf_counter() - t0
+            out["chunks"].append({"chunk_latent_frames": chunk, "s": rnd(s_, 4), "peak_bytes": m.peak_bytes,
+                                  "predicted_peak_bytes": int((base + per_frame * chunk) * frame_px),
+                                  "peak_ratio": rnd(m.peak_bytes / max(1, whole.peak_bytes), 4),
+                                  "time_ratio": rnd(s_ / max(1e-9, out["untiled_s"]), 3),
+                                  "work_ratio": rnd(stats.work, 3), "psnr_db": rnd(psnr_db(ref, got), 2)})
+            log(f"  ltx streamed, chunk {chunk}: peak {gb(m.peak_bytes)} GiB (whole {gb(whole.peak_bytes)}) in "
+                f"{rnd(s_, 3)}s (whole {out['untiled_s']}s), PSNR {out['chunks'][-1]['psnr_db']} dB")
+    return out
+
+
+def vae_wrapper(fsm) -> Any:
+    """The fields of ComfyUI's ``comfy.sd.VAE`` that ``bridge.vae.measure_stream`` reads, around a bare model."""
+    p = next(fsm.parameters())
+    return types.SimpleNamespace(first_stage_model=fsm, device=p.device, vae_dtype=p.dtype, upscale_ratio=(
+        lambda a: max(0, a * 8 - 7), 32, 32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -2373,6 +2450,13 @@ def build_summary(results: dict) -> dict[str, Any]:
         t_ratio, auto.get("reason") or _section_reason(results, "vae") or "not measured", "<= 1.3",
         None if t_ratio is None else t_ratio <= 1.3, peak_ratio=auto.get("peak_ratio"),
         work_ratio=auto.get("work_ratio"), source="the planner's tiles for a budget of 1/3 of the untiled peak")
+    ltx = [c for c in (vae.get("ltx_streamed") or {}).get("chunks", []) if c.get("peak_ratio") is not None]
+    best = min(ltx, key=lambda c: c["time_ratio"]) if ltx else {}
+    summary["ltx_streamed_vs_whole"] = _metric(
+        best.get("peak_ratio"), (vae.get("ltx_streamed") or {}).get("reason") or _section_reason(results, "vae")
+        or "not measured", time_ratio=best.get("time_ratio"), psnr_db=best.get("psnr_db"),
+        chunk_latent_frames=best.get("chunk_latent_frames"),
+        source="LTX-Video VAE on ComfyUI 0.8.0: streamed temporal chunks vs its whole decode (peak ratio)")
     lay = vae.get("image_layered") or {}
     summary["layered_vae_vs_untiled"] = _metric(
         lay.get("time_ratio"), lay.get("reason") or _section_reason(results, "vae") or "not measured", "<= 1.3",
@@ -2502,6 +2586,17 @@ def render_markdown(results: dict) -> str:
                   f"- ComfyUI's decode: peak {_fmt(gb(v.get('untiled_peak_bytes')), 3)} GiB, {_fmt(v.get('untiled_s'), 3)} s; "
                   f"Levers 1-latent-frame chunks: peak {_fmt(gb(v.get('chunked_peak_bytes')), 3)} GiB, "
                   f"{_fmt(v.get('chunked_s'), 3)} s; bit-exact {_fmt(v.get('bit_exact'))}"]
+    lx = vae.get("ltx_streamed") or {}
+    if lx.get("chunks"):
+        lines += ["", "## TiledVAEDecode (LTX-Video on ComfyUI 0.8.0, streamed temporal chunks)", "",
+                  f"- {lx.get('shape_note')}; whole decode peak {_fmt(gb(lx.get('untiled_peak_bytes')), 3)} GiB, "
+                  f"{_fmt(lx.get('untiled_s'), 3)} s", "",
+                  "| chunk (latent frames) | peak GiB | predicted GiB | peak ratio | s | time ratio | work | PSNR dB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for c in lx["chunks"]:
+            lines.append(f"| {c['chunk_latent_frames']} | {_fmt(gb(c['peak_bytes']), 3)} | "
+                         f"{_fmt(gb(c['predicted_peak_bytes']), 3)} | {_fmt(c['peak_ratio'])} | {_fmt(c['s'], 3)} | "
+                         f"{_fmt(c['time_ratio'])} | {_fmt(c['work_ratio'])} | {_fmt(c['psnr_db'], 1)} |")
     cfgs = [c for c in vae.get("image_configs", []) if "tiled_peak_bytes" in c]
     if cfgs:
         lines += ["", "## TiledVAEDecode (image)", "", f"{cfgs[0].get('shape_note', '')}", "",
