@@ -10,10 +10,12 @@ keep the outputs whose context lies inside the window: those equal the whole-vid
 
 ``TimeStream`` runs the decoder's own ``forward`` once per chunk of latent frames. Every unit keeps
 a short buffer of its input (``r`` frames of left context plus what still waits for its right
-context) and emits the output frames that are final, at most one chunk's worth per call so that no
-window grows with the video; after the last chunk the decoder is called on empty input until every
-unit has flushed. Memory is one chunk's windows plus ~2r frames per unit instead of the whole
-video; the cost is recomputing each unit's context frames (the report gives the work ratio).
+context) and computes its final output frames in batches (``batch_frames``): one chunk at the costliest
+full-resolution stage, which bounds the memory, and more latent frames at the cheap low-resolution
+stages, where one-frame windows would mostly recompute context. No window grows with the video; after
+the last chunk the decoder is called on empty input until every unit has flushed. Memory is about one
+chunk's windows plus ~2r frames per unit instead of the whole video; the cost is recomputing each
+window's context frames (the report gives the work ratio).
 
 Output frame maps are affine: a unit that turns ``n`` input frames into ``up * n - drop`` (LTX's
 upsampler doubles the frames and drops the first) maps window ``[s, e)`` onto the whole video's
@@ -49,6 +51,17 @@ class TimeUnit:
     out_channels: int
     scale: int           # output px per input px (each spatial axis)
     rate: float          # this unit's output frames per latent frame (the units before it included)
+    px_scale: float = 1.0  # this unit's output px per latent px (each spatial axis, the units before it included)
+
+    @property
+    def latent_radius(self) -> float:
+        """The radius in latent frames (input frames run at ``rate / up`` per latent frame)."""
+        return self.radius * self.up / self.rate
+
+    @property
+    def elems_per_latent_frame(self) -> float:
+        """Output elements one latent frame becomes here, per latent px (what a frame of this stage weighs)."""
+        return self.out_channels * self.px_scale ** 2 * self.rate
 
     def out_frames(self, n: int) -> int:
         return max(0, self.up * n - self.drop)
@@ -91,10 +104,11 @@ class _UnitStream:
         self.n_in += x.shape[2]
         total = u.out_frames(self.n_in)
         last = total - 1 if complete else u.up * (self.n_in - 1 - u.radius) + u.up - 1 - u.drop
-        cap = max(1, math.ceil(self.stream.chunk_frames * u.rate))
+        cap = self.stream.caps[id(u.module)]
         end = min(last + 1, total, self.n_out + cap)          # emit output frames [n_out, end)
         out = None
-        if end > self.n_out:
+        # wait for a full batch unless the input is complete: a short batch recomputes the same context
+        if end > self.n_out and (complete or end - self.n_out >= cap):
             s = max(0, u.pos(self.n_out) - u.radius)
             while s > 0 and u.up * s > self.n_out:             # the window's first outputs are dropped
                 s -= 1
@@ -121,12 +135,13 @@ class TimeStream:
 
     Use ``replacements()`` with ``override_forwards``; the decoder's forward then takes the whole latent
     and returns the whole video, computed a chunk at a time. Each chunk's frames go to ``output_device``
-    as the decoder returns them.
+    as the decoder returns them. ``batches``: latent frames each unit computes per call (default
+    ``batch_frames``).
     """
 
     def __init__(self, decoder: nn.Module, units: list[TimeUnit], chunk_frames: int,
                  output_device: torch.device | str = "cpu", progress: Progress | None = None,
-                 interrupt: Interrupt | None = None, total_frames: int = 0):
+                 interrupt: Interrupt | None = None, total_frames: int = 0, batches: list[int] | None = None):
         if isinstance(chunk_frames, bool) or int(chunk_frames) != chunk_frames or chunk_frames < 1:
             raise ConfigError("chunk_frames", chunk_frames, "an integer >= 1")
         if not units:
@@ -141,6 +156,8 @@ class TimeStream:
         self.stats = StreamStats()
         self.upstream_done = False
         self.streams: dict[int, _UnitStream] = {}
+        batches = batch_frames(units, self.chunk_frames) if batches is None else batches
+        self.caps = {id(u.module): max(1, math.ceil(f * u.rate)) for u, f in zip(units, batches)}
 
     def replacements(self) -> dict:
         """The forwards to install (read before they are: each stand-in calls the forward it replaces)."""
@@ -193,6 +210,24 @@ class TimeStream:
         return out
 
 
+def batch_frames(units: list[TimeUnit], chunk_frames: int) -> list[int]:
+    """Latent frames each unit computes per call.
+
+    The costliest stage (most elements per latent frame, the full-resolution one) computes one chunk per call;
+    that bounds the memory. Cheaper stages batch more: enough that the 2 x radius frames of context a window
+    recomputes stay within 25% of it, as long as the batch weighs at most half of the costliest stage's chunk.
+    At the low-resolution stages the context is several latent frames and the weights are the widest, so
+    one-frame batches there would recompute most of the work and re-read the weights for a few pixels.
+    """
+    top = max(u.elems_per_latent_frame for u in units)
+    out = []
+    for u in units:
+        want = max(chunk_frames, math.ceil(8 * u.latent_radius))
+        room = max(chunk_frames, int(chunk_frames * top / (2 * u.elems_per_latent_frame)))
+        out.append(min(want, room))
+    return out
+
+
 def measure_units(run: Callable[[torch.Tensor], object], modules: list[nn.Module], probe: torch.Tensor,
                   max_frames: int = 129) -> list[TimeUnit]:
     """Measure each module's temporal radius and frame map, in the order ``run(probe)`` calls them.
@@ -223,13 +258,16 @@ def measure_units(run: Callable[[torch.Tensor], object], modules: list[nn.Module
         raise ConfigError("units", ", ".join(missing), "modules the decoder calls on every chunk")
     units = []
     rate = 1.0
+    latent_w = probe.shape[-1]
     gen = torch.Generator().manual_seed(0)
     for m in order:
         x, args, kwargs = calls[id(m)]
-        radius, up, drop, y = _radius(m, x, args, kwargs, gen, max_frames)
+        # heuristic algorithm choice, not autotuned: an FFT convolution would smear rounding over all frames
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False):
+            radius, up, drop, y = _radius(m, x, args, kwargs, gen, max_frames)
         rate *= up
         units.append(TimeUnit(m, radius, up, drop, out_channels=y.shape[1], scale=y.shape[-1] // x.shape[-1],
-                              rate=rate))
+                              rate=rate, px_scale=y.shape[-1] / latent_w))
     return units
 
 
@@ -249,7 +287,8 @@ def _radius(m: nn.Module, x: torch.Tensor, args, kwargs, gen: torch.Generator, m
             mid = n // 2
             b = a.clone()
             b[:, :, mid] += torch.randn(b[:, :, mid].shape, generator=gen).to(x.device, x.dtype)
-            changed = ((m(b, *args, **kwargs) - y).abs().flatten(3).amax((0, 1, 3)) > 0).nonzero().flatten()
+            diff = (m(b, *args, **kwargs) - y).abs().float().flatten(3).amax((0, 1, 3))      # [frames]
+            changed = (diff > 1e-6 * float(diff.max().clamp_min(1e-30))).nonzero().flatten()
         if changed.numel() == 0:
             return 0, up, drop, y
         pos = [(int(g) + drop) // up for g in changed]
@@ -310,4 +349,4 @@ def decode_time_streamed(run: Callable[[torch.Tensor], torch.Tensor], decoder: n
 
 def stream_latency(units: list[TimeUnit]) -> float:
     """Latent frames of right context the last output frame of a chunk waits for (the units' radii summed)."""
-    return sum(u.radius * u.up / u.rate for u in units)
+    return sum(u.latent_radius for u in units)
