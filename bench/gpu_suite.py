@@ -2244,7 +2244,9 @@ def _ltx_streamed_case(suite: Suite, tiling, latent_thw: tuple[int, int, int] | 
                                          f"of {h * 32}x{w * 32} px, {dt}", "staging": why}
     with torch.inference_mode():
         ref, whole = _whole_video_decode(vae, z, tiling, dev, out, warm_frames=2)
-        units, base, per_frame = bridge_vae.measure_stream(vae_wrapper(vae), staged, z)
+        units, base, per_frame, problem = bridge_vae.measure_stream(vae_wrapper(vae), staged, z)
+        if problem:
+            raise RuntimeError(f"streaming refused: {problem}")
         frame_px = h * w * 32 * 32
         out["units"] = len(units)
         out["chunks"] = []

@@ -33,7 +33,8 @@ from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasuremen
 from ..core.tiling.decode import STATS_METHODS, _TailRunner, _frames_dummy, collect_tail_stats
 from ..core.tiling.memory import peak_method
 from ..core.tiling.overrides import StopDecode, override_forwards
-from ..core.tiling.stream import StreamStats, TimeUnit, decode_time_streamed, measure_units, stream_latency
+from ..core.tiling.stream import (StreamStats, TimeUnit, batch_frames, decode_time_streamed, measure_units,
+                                  stream_latency)
 from .inputs import require_vae
 
 log = logging.getLogger("levers")
@@ -403,23 +404,52 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
     return cost, halo, whole.method
 
 
-def measure_stream(vae, staged: StagedDecoder, latent: torch.Tensor) -> tuple[list[TimeUnit], float, float]:
-    """The time units of a decoder streamed through time, and what one chunk costs: (units, base, per latent
-    frame of the chunk), bytes per output px of a frame. Units from a 2x2-latent, 2-frame probe; costs from
-    streaming a crop (at most 8x8 latent px, the units' latency + 6 frames) in chunks of 1 and 2 frames."""
+def measure_stream(vae, staged: StagedDecoder, latent: torch.Tensor) -> tuple[list[TimeUnit], float, float, str]:
+    """The time units of a decoder streamed through time, what one chunk costs, and whether streaming is exact.
+
+    Returns (units, base, per latent frame of the chunk, problem): costs in bytes per output px of a frame,
+    without the output frames (they leave per chunk; the caller adds them where they stay on the device);
+    ``problem`` is "" or why streaming was refused (then ``units`` is empty). Units come from a 2x2-latent,
+    2-frame probe. Costs come from streaming a crop (at most 8x8 latent px; the units' latency plus the longest
+    batch, in latent frames) in chunks of 1 and 2; the chunk of 1 is also compared with a whole decode of the
+    crop under the same random state (LTX's decode adds noise), so a unit whose context was under-measured, or
+    glue that mixes frames across units, refuses streaming instead of decoding wrong frames.
+    """
     dev = torch.device(vae.device)
-    tiny = latent[:1, :, :2, :2, :2].to(dev, vae.vae_dtype)
-    units = measure_units(staged.run, staged.time_units, tiny)
-    frames = min(latent.shape[2], math.ceil(stream_latency(units)) + 6)
+    tiny = latent[:1, :, :2, :2, :2].to(dev, vae.vae_dtype).clone()
+    try:
+        units = measure_units(staged.run, staged.time_units, tiny)
+    except ConfigError as exc:
+        return [], 0.0, 0.0, str(exc)
+    frames = min(latent.shape[2], math.ceil(stream_latency(units)) + max(batch_frames(units, 2)) + 2)
     probe = latent[:1, :, :frames, :min(latent.shape[-2], 8), :min(latent.shape[-1], 8)].to(dev, vae.vae_dtype)
+    probe = probe.clone()       # its own storage: the live-tensor count would otherwise count all of the latent
     frame_px = probe.shape[-2] * probe.shape[-1] * _spatial_scale(vae) ** 2
+
+    def decode(chunk: int | None) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.inference_mode():
+            torch.manual_seed(0)
+            if chunk is None:
+                return staged.run(probe).to("cpu", torch.float32)
+            # "meta": the frames leave the device as each chunk ends, so they are not part of the chunk's cost
+            return decode_time_streamed(staged.run, staged.time_decoder, units, probe, chunk, output_device="meta")
+
     peaks = []
     for chunk in (1, 2):
-        _, m = measure_peak_bytes(lambda: decode_time_streamed(staged.run, staged.time_decoder, units, probe, chunk,
-                                                               output_device=dev), dev)
+        _, m = measure_peak_bytes(lambda: decode(chunk), dev)
         peaks.append(m.peak_bytes / frame_px)
+    whole = decode(None)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.inference_mode():
+        torch.manual_seed(0)
+        streamed = decode_time_streamed(staged.run, staged.time_decoder, units, probe, 1, output_device="cpu")
+    mse = float(((streamed - whole) ** 2).mean()) if streamed.shape == whole.shape else math.inf
+    peak = float(whole.abs().max()) or 1.0
+    db = math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+    if db < 30:
+        return [], 0.0, 0.0, (f"the streamed probe differs from the whole decode ({db:.1f} dB): a time unit's context "
+                              "was under-measured or glue mixes frames across units")
     per_frame = max(0.0, peaks[1] - peaks[0])
-    return units, max(peaks[0] - per_frame, 0.0) * 1.1, per_frame * 1.1        # +10%: shorter probe windows
+    return units, max(peaks[0] - per_frame, 0.0) * 1.1, per_frame * 1.1, ""      # +10%: shorter probe windows
 
 
 def _decode_takes_output_buffer(fsm) -> bool:
@@ -526,11 +556,18 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     if not tile and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
         cost = dataclasses.replace(cost, layered_bytes_per_px=measure_layered(vae, staged, samples))
     units: list[TimeUnit] = []
-    whole_need = (cost.whole_bytes_per_px + cost.output_bytes_per_px * _out_frames(vae, samples.shape[2])) * frame_px \
-        if video else 0
+    n_out = _out_frames(vae, samples.shape[2]) if video else 1
+    whole_need = samples.shape[0] * (cost.whole_bytes_per_px + cost.output_bytes_per_px * n_out) * frame_px
     if streams and not tile and (chunk_frames is not None or whole_need > budget):
-        units, base, per_frame = measure_stream(vae, staged, samples)
-        cost = dataclasses.replace(cost, stream_base_bytes_per_px=base, stream_frame_bytes_per_px=per_frame)
+        units, base, per_frame, problem = measure_stream(vae, staged, samples)
+        if problem:
+            rep.add(f"no streamed temporal chunks: {problem}")
+        else:
+            if torch.device(vae.output_device).type == torch.device(vae.device).type:
+                # the frames stay on the decode's device and accumulate while chunks run (output_bytes_per_px
+                # counts two copies of a frame; the second, their concatenation, comes after the last chunk)
+                base += cost.output_bytes_per_px / 2 * n_out
+            cost = dataclasses.replace(cost, stream_base_bytes_per_px=base, stream_frame_bytes_per_px=per_frame)
     rep.add(f"measured ({method}): whole decode {cost.whole_bytes_per_px:.0f} B/px, tile {cost.tile_bytes_per_px:.0f} "
             f"B/px, stem {cost.stem_bytes_per_px:.0f} B/px"
             + (f", layered {cost.layered_bytes_per_px:.0f} B/px" if cost.layered_bytes_per_px else "")

@@ -228,3 +228,65 @@ def test_decode_time_streamed_runs_each_sample_and_sums_the_work():
     assert stats.work > 1.0
     # conv_in 1 + two blocks 2 + 2 at latent rate, up1 1 at latent rate, a block 2 at 2x, up2 1 at 2x, conv_out 1 at 4x
     assert stream_latency(units) == pytest.approx(1 + 2 + 2 + 1 + 1 + 0.5 + 0.25)
+
+
+def _toy_vae(dec):
+    """The fields of ComfyUI's VAE and Levers' StagedDecoder that ``bridge.vae.measure_stream`` reads."""
+    import types
+    vae = types.SimpleNamespace(device="cpu", vae_dtype=torch.float32, upscale_ratio=(lambda t: 4 * t - 3, 4, 4))
+    staged = types.SimpleNamespace(run=lambda z: dec(z, timestep=torch.tensor(0.3)), time_units=dec.units(),
+                                   time_decoder=dec)
+    return vae, staged
+
+
+def test_measured_chunk_cost_bounds_the_streamed_peak():
+    """The bridge's probe: one chunk costs base + per latent frame (frames leave the device per chunk), and that
+    prediction bounds the measured peak of a longer video at every chunk length."""
+    from comfyui_levers.bridge.vae import measure_stream
+    from comfyui_levers.core.tiling.stream import decode_time_streamed
+
+    dec = _toy()
+    z = torch.randn(1, 4, 40, 8, 8)
+    vae, staged = _toy_vae(dec)
+    units, base, per_frame, problem = measure_stream(vae, staged, z)
+    assert problem == "" and per_frame > 0 and base > 0
+    for chunk in (1, 2, 4, 8):
+        _, got = measure_peak_bytes(lambda: decode_time_streamed(staged.run, dec, units, z.clone(), chunk,
+                                                                 output_device="meta"), "cpu")
+        assert got.peak_bytes <= (base + per_frame * chunk) * 8 * 8 * 16, chunk
+
+
+def test_glue_that_mixes_frames_across_units_refuses_streaming():
+    """A mean over time between two units (outside every unit) passes the per-unit measurement but changes the
+    streamed result; the bridge compares a streamed probe with the whole decode and refuses with the reason."""
+    from comfyui_levers.bridge.vae import measure_stream
+
+    dec = _toy(global_op=True)
+    vae, staged = _toy_vae(dec)
+    units, _, _, problem = measure_stream(vae, staged, torch.randn(1, 4, 12, 4, 4))
+    assert units == [] and "differs from the whole decode" in problem
+
+
+class _RepeatDrop(nn.Module):
+    """Every frame twice in time, the first 4 dropped: radius 0, up 2, drop 4 (a window steps back 2 frames)."""
+
+    def forward(self, x):
+        return x.repeat_interleave(2, 2)[:, :, 4:]
+
+
+class _Plus(nn.Module):
+    def forward(self, x):
+        return x + 0
+
+
+def test_a_frame_map_that_drops_more_than_it_doubles_keeps_the_frames_its_next_window_needs():
+    a, up, b = _Plus(), _RepeatDrop(), _Plus()
+    chain = nn.Sequential(a, up, b)
+    units = measure_units(chain, [a, up, b], torch.randn(1, 1, 4, 2, 2))
+    assert [(u.radius, u.up, u.drop) for u in units] == [(0, 1, 0), (0, 2, 4), (0, 1, 0)]
+    z = torch.arange(6.).reshape(1, 1, 6, 1, 1).expand(1, 1, 6, 2, 2).contiguous()
+    ref = chain(z)
+    for chunk in (1, 2, 6):
+        stream = TimeStream(chain, units, chunk)
+        with torch.inference_mode(), override_forwards(stream.replacements()):
+            assert torch.equal(chain(z), ref), chunk

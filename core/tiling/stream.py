@@ -109,9 +109,7 @@ class _UnitStream:
         out = None
         # wait for a full batch unless the input is complete: a short batch recomputes the same context
         if end > self.n_out and (complete or end - self.n_out >= cap):
-            s = max(0, u.pos(self.n_out) - u.radius)
-            while s > 0 and u.up * s > self.n_out:             # the window's first outputs are dropped
-                s -= 1
+            s = self._window_start()
             e = self.n_in if (complete and end == total) else min(self.n_in, u.pos(end - 1) + u.radius + 1)
             window = self.buf[:, :, s - self.start:e - self.start]      # [B, C, e - s, H, W]
             y = self.original(window, *args, **kwargs)
@@ -119,7 +117,7 @@ class _UnitStream:
             out = y[:, :, self.n_out - u.up * s:end - u.up * s]
             self.n_out = end
         self.done = complete and self.n_out == total
-        keep = self.n_in if self.done else max(0, u.pos(self.n_out) - u.radius - 1)
+        keep = self.n_in if self.done else self._window_start()
         if keep > self.start:
             self.buf = self.buf[:, :, keep - self.start:]
             self.start = keep
@@ -128,6 +126,15 @@ class _UnitStream:
             b, h, w = x.shape[0], x.shape[-2] * u.scale, x.shape[-1] * u.scale
             out = x.new_empty(b, u.out_channels, 0, h, w)
         return out
+
+    def _window_start(self) -> int:
+        """The first input frame the next window needs: ``radius`` frames before the next output's, and early
+        enough that the window's own first outputs (dropped by the frame map) come before it."""
+        u = self.unit
+        s = max(0, u.pos(self.n_out) - u.radius)
+        while s > 0 and u.up * s > self.n_out:
+            s -= 1
+        return s
 
 
 class TimeStream:
