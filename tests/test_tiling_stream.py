@@ -211,6 +211,9 @@ def test_bad_chunk_is_refused():
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="chunk_frames"):
             TimeStream(dec, units, bad)
+    for bad in ([1] * (len(units) - 1), [1] * (len(units) - 1) + [0]):
+        with pytest.raises(ConfigError, match="batches"):
+            TimeStream(dec, units, 1, batches=bad)
 
 
 def test_decode_time_streamed_runs_each_sample_and_sums_the_work():

@@ -164,6 +164,8 @@ class TimeStream:
         self.upstream_done = False
         self.streams: dict[int, _UnitStream] = {}
         batches = batch_frames(units, self.chunk_frames) if batches is None else batches
+        if len(batches) != len(units) or any(isinstance(f, bool) or int(f) != f or f < 1 for f in batches):
+            raise ConfigError("batches", batches, f"{len(units)} integers >= 1 (latent frames per call, one per unit)")
         self.caps = {id(u.module): max(1, math.ceil(f * u.rate)) for u, f in zip(units, batches)}
 
     def replacements(self) -> dict:
