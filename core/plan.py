@@ -257,6 +257,7 @@ def plan_vae_tiling(spec: ModelSpec, wl: Workload, available: int) -> tuple[Tili
     full = vae_decode_bytes(spec, wl)
     if full <= available:
         return None, full
+    exact_chunks = spec.vae_causal or spec.vae_streamed          # chunks that need no temporal overlap
     frames_opts = [None]
     if spec.is_video:
         t = spec.vae_temporal
@@ -265,7 +266,7 @@ def plan_vae_tiling(spec: ModelSpec, wl: Workload, available: int) -> tuple[Tili
             peak = vae_decode_bytes(spec, wl, frames=f)
             if peak <= available:
                 return Tiling(tile_px=max(wl.width, wl.height), overlap_px=0, temporal_frames=f,
-                              temporal_overlap=0 if spec.vae_causal else max(1, f // 8), peak_bytes=peak), peak
+                              temporal_overlap=0 if exact_chunks else max(1, f // 8), peak_bytes=peak), peak
     for tile in (1024, 768, 512, 384, 256, 192, 128):
         if tile >= max(wl.width, wl.height):
             continue
@@ -274,7 +275,7 @@ def plan_vae_tiling(spec: ModelSpec, wl: Workload, available: int) -> tuple[Tili
         peak = vae_decode_bytes(spec, wl, tile, overlap, frames=f)
         if peak <= available:
             return Tiling(tile_px=tile, overlap_px=overlap, temporal_frames=f,
-                          temporal_overlap=(0 if spec.vae_causal else 1) if f else 0, peak_bytes=peak), peak
+                          temporal_overlap=(0 if exact_chunks else 1) if f else 0, peak_bytes=peak), peak
     tile, overlap, f = 128, 16, frames_opts[-1]
     peak = vae_decode_bytes(spec, wl, tile, overlap, frames=f)
     return Tiling(tile_px=tile, overlap_px=overlap, temporal_frames=f, temporal_overlap=0, peak_bytes=peak), peak
@@ -449,7 +450,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         t = c.tiling
         vae_notes.append(f"tiled decode (estimate; TiledVAEDecode measures the VAE and picks its own exact plan): "
                          f"{t.tile_px}px tiles, {t.overlap_px}px overlap"
-                         + (f", {t.temporal_frames}-frame chunks" + (" with the causal cache carried (exact)" if spec.vae_causal else "")
+                         + (f", {t.temporal_frames}-frame chunks" + (" with the causal cache carried (exact)" if spec.vae_causal
+                                                                     else " streamed, each layer keeping its context "
+                                                                     "frames (exact)" if spec.vae_streamed else "")
                             if t.temporal_frames else "")
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
     vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,

@@ -38,6 +38,8 @@ class ModelSpec:
     vae_bytes_per_px: int = 2048     # untiled decode activation peak per output pixel (fp32 feature maps)
     vae_causal: bool = False         # temporal chunks are exact with a carried feature cache (Wan, HunyuanVideo;
                                      # not LTX: ComfyUI's LTX decoder is non-causal and chunks time itself)
+    vae_streamed: bool = False       # non-causal, but its temporal chunks are exact streamed (LTX: on ComfyUI
+                                     # 0.8 TiledVAEDecode keeps each layer's context frames; 0.33 does it itself)
     is_video: bool = False
     experts: int = 1                 # Wan 2.2 A14B: two experts, one active at a time
     default_width: int = 1024
@@ -133,7 +135,8 @@ PRESETS: dict[str, ModelSpec] = {
         name="ltxv", family="ltxv", dit_params=1.9, dit_kept_params=0.05, modulation_params=0.25,
         hidden=2048, n_blocks=28, block_fraction=0.97, te_params=4.76, te_names=("t5xxl",), te_hidden=4096,
         text_tokens=128, vae_params=0.42, latent_channels=128, vae_spatial=32, vae_temporal=8, patch=1,
-        vae_bytes_per_px=1024, vae_causal=False, is_video=True, default_width=768, default_height=512,
+        vae_bytes_per_px=1024, vae_causal=False, vae_streamed=True, is_video=True, default_width=768,
+        default_height=512,
         default_frames=97, default_steps=30),
 }
 

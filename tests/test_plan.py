@@ -208,3 +208,13 @@ def test_unknown_preset_and_goal_name_the_choices():
         get_preset("flux3")
     with pytest.raises(ValueError, match="balanced"):
         plan(get_preset("sdxl"), Workload(1024, 1024), machine(8), goal="cheap")
+
+
+def test_ltx_temporal_chunks_are_streamed_exact_without_overlap():
+    """LTX's decoder is not causal, but its chunks are exact streamed (TiledVAEDecode on ComfyUI 0.8, ComfyUI's
+    own decode on 0.33): Recommend plans them without a temporal overlap and says so."""
+    spec = get_preset("ltxv")
+    p = plan(spec, Workload(768, 512, 257, 30), machine(8))
+    t = p.vae.tiling
+    assert t is not None and t.temporal_frames and t.temporal_overlap == 0
+    assert any("streamed" in n and "exact" in n for n in p.vae.notes)
