@@ -103,9 +103,10 @@ def _stream(dec, z, chunk, **kw):
     return out, stream, units
 
 
-def test_units_are_measured_in_call_order_with_radius_and_frame_map():
-    dec = _toy()
-    _, _, units = _stream(dec, torch.randn(1, 4, 3, 4, 4), 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_units_are_measured_in_call_order_with_radius_and_frame_map(dtype):
+    dec = _toy().to(dtype)
+    _, _, units = _stream(dec, torch.randn(1, 4, 3, 4, 4, dtype=dtype), 1)
     assert [u.module for u in units] == dec.units()
     assert [u.radius for u in units] == [1, 2, 2, 1, 2, 1, 1]       # one conv: 1 frame; a residual block: 2
     assert [(u.up, u.drop) for u in units if u.up > 1] == [(2, 1), (2, 1)]

@@ -324,7 +324,9 @@ def _check_end_aligned(m: nn.Module, a: torch.Tensor, y: torch.Tensor, args, kwa
         return
     ref = y[:, :, inner[0]:inner[-1] + 1]
     got = w[:, :, inner[0] - up:inner[-1] + 1 - up]
-    tol = 1e-3 * float(ref.abs().amax()) + 1e-6
+    # a window's shape can pick another convolution algorithm: rounding differs by a few units of the dtype's
+    # precision (bf16: 2^-8), while a misaligned frame map differs by the frames' own size
+    tol = (2e-2 if ref.element_size() < 4 else 1e-3) * float(ref.abs().amax()) + 1e-6
     if got.shape != ref.shape or float((got - ref).abs().amax()) > tol:
         raise ConfigError("units", type(m).__name__, "a module whose windows give the whole input's output "
                           f"frames end-aligned (window [1, {n}) -> outputs from {up})")
