@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import BudgetExceeded, ConfigError, IncompatibleInput
+from ..core.quant.metrics import psnr
 from ..core.tiling import (DecodeCost, DecodeStats, LayeredStats, PeakMeasurement, StagedDecoder, TilePlan,
                            decode_layered, decode_spatial, decode_streamed, decode_temporal, measure_halo,
                            measure_peak_bytes, plan_decode, run_stem)
@@ -426,25 +427,27 @@ def measure_stream(vae, staged: StagedDecoder, latent: torch.Tensor) -> tuple[li
     probe = probe.clone()       # its own storage: the live-tensor count would otherwise count all of the latent
     frame_px = probe.shape[-2] * probe.shape[-1] * _spatial_scale(vae) ** 2
 
-    def decode(chunk: int | None) -> torch.Tensor:
+    # Where frames go: off the device as each chunk ends, so they are not part of a chunk's cost. On a GPU the
+    # CPU is off the device; on the CPU the live-tensor count sees everything, so the frames go to "meta" there
+    # and the chunk of 1 runs once more for the comparison.
+    sink = "cpu" if dev.type == "cuda" else "meta"
+
+    def decode(chunk: int | None, to: str = sink) -> torch.Tensor:
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.inference_mode():
-            torch.manual_seed(0)
+            torch.manual_seed(0)       # the same noise LTX's decode adds, in every decode compared
             if chunk is None:
                 return staged.run(probe).to("cpu", torch.float32)
-            # "meta": the frames leave the device as each chunk ends, so they are not part of the chunk's cost
-            return decode_time_streamed(staged.run, staged.time_decoder, units, probe, chunk, output_device="meta")
+            return decode_time_streamed(staged.run, staged.time_decoder, units, probe, chunk, output_device=to)
 
-    peaks = []
+    outs, peaks = [], []
     for chunk in (1, 2):
-        _, m = measure_peak_bytes(lambda: decode(chunk), dev)
+        out, m = measure_peak_bytes(lambda: decode(chunk), dev)
+        outs.append(out)
         peaks.append(m.peak_bytes / frame_px)
     whole = decode(None)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), torch.inference_mode():
-        torch.manual_seed(0)
-        streamed = decode_time_streamed(staged.run, staged.time_decoder, units, probe, 1, output_device="cpu")
-    mse = float(((streamed - whole) ** 2).mean()) if streamed.shape == whole.shape else math.inf
-    peak = float(whole.abs().max()) or 1.0
-    db = math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+    streamed = outs[0] if sink == "cpu" else decode(1, "cpu")
+    db = psnr(whole, streamed, data_range=float(whole.abs().max()) or 1.0) \
+        if streamed.shape == whole.shape else -math.inf
     if db < 30:
         return [], 0.0, 0.0, (f"the streamed probe differs from the whole decode ({db:.1f} dB): a time unit's context "
                               "was under-measured or glue mixes frames across units")

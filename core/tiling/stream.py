@@ -100,6 +100,8 @@ class _UnitStream:
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         u = self.unit
         complete = self.stream.upstream_done                  # no more input will come
+        # a fresh buffer on every call, even with no new frames: the trimmed buffer below is a view, and this copy
+        # is what frees the frames it dropped (skipping it for empty input raised the toy decoder's peak by half)
         self.buf = x if self.buf is None else torch.cat([self.buf, x], 2)
         self.n_in += x.shape[2]
         total = u.out_frames(self.n_in)
