@@ -35,6 +35,7 @@ def main() -> None:
     suite = types.SimpleNamespace(device=torch.device("cpu"), smoke=False, comfy=comfy)
     tiling = gs.Pieces().get("tiling")
     rec = gs._ltx_streamed_case(suite, tiling, tuple(args.latent))
+    rec = {"machine": gs.machine_info(suite.device), "comfyui": comfy.version, "git": gs.git_info(None), **rec}
     text = json.dumps(rec, indent=1, default=str)
     if args.out:
         with open(args.out, "w") as f:
