@@ -7,19 +7,13 @@ kernel's indexing, masking, strides, abs-max, scale and clamp, not the hardware'
 CUDA the kernel must match the eager fallback bit for bit."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from comfyui_levers.core.quant.fp8_triton import quantize_rows_fp8
+from triton_interp import needs_triton, run_interpreted
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("numpy") is None,
-                                  reason="Triton (and numpy for its interpreter) not installed")
 
 
 def test_eager_fallback_scales_rows_and_clamps():
@@ -33,9 +27,7 @@ def test_eager_fallback_scales_rows_and_clamps():
 
 @needs_triton
 def test_kernel_under_the_interpreter_matches_on_grid_values():
-    code = textwrap.dedent("""
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"
+    run_interpreted("""
         import torch
         from comfyui_levers.core.quant import fp8_triton as ft
         g = torch.Generator().manual_seed(0)
@@ -53,9 +45,6 @@ def test_kernel_under_the_interpreter_matches_on_grid_values():
         assert torch.equal(q.float(), codes)
         print("OK")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.cuda

@@ -36,6 +36,8 @@ from torch import nn
 
 from ..errors import BudgetExceeded, ConfigError
 from .blocks import BlockLayout, find_blocks
+from .packed import (PACKABLE, PackedArena, pack, packed_nbytes, packing_supported, repack_ranges, staging_caps,
+                     staging_nbytes, unpack)
 from .transport import PinResult, Transport, note_compute, tensor_nbytes
 
 AUTO = "auto"
@@ -70,6 +72,9 @@ class PrefetchConfig:
     partial_blocks: with one block per group and no fixed resident prefix, also consider plans
         where streamed blocks keep part of their tensors resident (smaller slots, fewer bytes
         streamed under a tight budget).
+    packed: stream bf16 weights losslessly packed (``packed.py``: about 0.76 x the bytes over the
+        bus, unpacked on the device, bit-identical). Costs a packed host copy of the streamed bf16
+        bytes (pinned instead of the bf16 arena), a one-time packing pass and a staging buffer.
     """
 
     blocks_per_group: int | str = AUTO
@@ -79,6 +84,7 @@ class PrefetchConfig:
     manage_resident: bool = True
     pin: bool = True
     partial_blocks: bool = True
+    packed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks_per_group", _auto_or_int("blocks_per_group", self.blocks_per_group, 1))
@@ -140,9 +146,10 @@ class HostStore:
     """
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
-                 exclude: frozenset[int] = frozenset()):
+                 exclude: frozenset[int] = frozenset(), packed: bool = False):
         """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
-        them); they are neither streamed nor counted in this engine's budget."""
+        them); they are neither streamed nor counted in this engine's budget. ``packed``: also keep
+        the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead."""
         self.exclude = frozenset(exclude)
         self.excluded_bytes = 0
         self.block_names = [n for n, _ in blocks]
@@ -155,6 +162,15 @@ class HostStore:
         self.block_range: dict[torch.dtype, list[tuple[int, int]]] = {}
         self.pin_results: dict[torch.dtype, PinResult] = {}
         self.restaged = 0
+        self._planes: dict[torch.dtype, PackedArena] = {}   # packed forms, kept in sync even when unused
+        self.use_packed = True                              # stream the packed forms (when there are any)
+        self.pack_seconds = 0.0
+        self._pack_wanted = packed
+        self._pinned_planes: list[torch.Tensor] = []
+        self._pinned_arenas: list[torch.Tensor] = []
+        self._needs_pinning = getattr(getattr(transport, "device", None), "type", None) == "cuda"
+        self._esc_cache: dict[tuple[torch.dtype, int, int], int] = {}
+        self._fingerprints: dict[int, torch.Tensor] = {}
         # Models built under inference mode (ComfyUI loads inside it) hold inference tensors:
         # their arenas, slots and views must be inference tensors too (a normal tensor assigned
         # to an inference parameter's .data breaks its ops), and copies into them must run in
@@ -163,6 +179,8 @@ class HostStore:
         self._collect(blocks)
         self._allocate(transport, pin)
         self._stage_all(transport)
+        if packed:
+            self.pack_arenas(transport, pin)
 
     # layout ------------------------------------------------------------------------------
     def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
@@ -233,7 +251,11 @@ class HostStore:
             for dtype, n in self._sizes.items():
                 arena = torch.empty(n, dtype=dtype, device="cpu")
                 self.arenas[dtype] = arena
+                if self._pack_wanted and dtype in PACKABLE:
+                    continue   # its packed form is what streams, so that is what gets pinned (pack_arenas)
                 self.pin_results[dtype] = transport.pin(arena) if pin else PinResult(False, "pinning disabled")
+                if self.pin_results[dtype].pinned:
+                    self._pinned_arenas.append(arena)
             for e in self.entries:
                 e.host_view = self.arenas[e.dtype].as_strided(e.shape, e.stride, e.offset)
 
@@ -257,14 +279,86 @@ class HostStore:
         for e in self.entries:
             self._bind_host(e)
 
+    @property
+    def packed(self) -> dict[torch.dtype, PackedArena]:
+        """The packed forms that stream (empty when packing is off or ``use_packed`` is False)."""
+        return self._planes if self.use_packed else {}
+
+    def _pack_device(self, transport: Transport) -> torch.device:
+        return transport.device if transport.device.type == "cuda" else torch.device("cpu")
+
+    def pack_arenas(self, transport: Transport, pin: bool = True) -> None:
+        """Pack each bf16 arena (one-time; the arithmetic runs on the transport's GPU when there is
+        one) and pin the packed planes. A store built with ``packed=True`` never pinned its bf16
+        arena (nothing copies from it in the hot path); one packed later keeps both pinned."""
+        if self._planes:
+            return
+        t0 = time.perf_counter()
+        with torch.inference_mode(False):
+            for dtype, arena in self.arenas.items():
+                if dtype in PACKABLE and arena.numel():
+                    try:
+                        self._planes[dtype] = pack(arena, device=self._pack_device(transport))
+                    except torch.cuda.OutOfMemoryError:
+                        # the GPU is full (ComfyUI loaded the rest): pack on the host, slower, same bytes
+                        self._planes[dtype] = pack(arena)
+        self.pack_seconds = time.perf_counter() - t0
+        for dtype, pk in self._planes.items():
+            self.pin_results[dtype] = self._pin_planes(pk, transport, pin)
+        self._fingerprints = {id(e): self._sample(e) for e in self.entries if e.dtype in self._planes}
+
+    def _sample(self, e: _Entry) -> torch.Tensor:
+        """Up to 256 evenly spaced values of ``e``'s arena range, as bits (a cheap fingerprint)."""
+        idx = torch.linspace(0, e.span - 1, steps=min(e.span, 256)).long() + e.offset
+        return self.arenas[e.dtype].view(torch.int16)[idx].clone()
+
+    def _fingerprint_holds(self, e: _Entry) -> bool:
+        return torch.equal(self._fingerprints[id(e)], self._sample(e))
+
+    def _pin_planes(self, pk: PackedArena, transport: Transport, pin: bool) -> PinResult:
+        if not pin:
+            return PinResult(False, "pinning disabled")
+        results = [transport.pin(t) for t in pk.planes() if t.numel()]
+        self._pinned_planes += [t for t, r in zip([t for t in pk.planes() if t.numel()], results) if r.pinned]
+        bad = [r for r in results if not r.pinned]
+        return bad[0] if bad else PinResult(True, "packed planes pinned", pk.nbytes)
+
+    def _repack(self, changed: Sequence[_Entry], transport: Transport) -> None:
+        """Re-encode what was re-staged; the escape planes are new tensors, so they are re-pinned."""
+        for e in changed:
+            if e.dtype in self._planes:
+                self._fingerprints[id(e)] = self._sample(e)
+        for dtype, pk in self._planes.items():
+            ranges = [(e.offset, e.offset + e.span) for e in changed if e.dtype == dtype]
+            if not ranges:
+                continue
+            old = [pk.esc_pos, pk.esc_val]
+            try:
+                repack_ranges(pk, self.arenas[dtype], ranges, device=self._pack_device(transport))
+            except torch.cuda.OutOfMemoryError:
+                repack_ranges(pk, self.arenas[dtype], ranges)      # the GPU is full: on the host
+            for t in old:
+                if any(t is p for p in self._pinned_planes):
+                    transport.unpin(t)
+                    self._pinned_planes = [p for p in self._pinned_planes if p is not t]
+            if self.pin_results[dtype].pinned:
+                for t in (pk.esc_pos, pk.esc_val):
+                    if t.numel() and transport.pin(t).pinned:
+                        self._pinned_planes.append(t)
+            self._esc_cache = {k: v for k, v in self._esc_cache.items() if k[0] != dtype}
+
     @staticmethod
     def _bind_host(e: _Entry) -> None:
         for r in e.refs:
             r.get().data = e.host_view
 
-    def refresh(self, transport: Transport) -> int:
-        """Re-stage entries whose tensor was replaced, moved or reshaped since staging."""
+    def refresh(self, transport: Transport, force: Sequence[_Entry] = ()) -> int:
+        """Re-stage entries whose tensor was replaced, moved or reshaped since staging. In a packed
+        store, also re-pack entries written in place in their arena view (ComfyUI patching or
+        restoring a weight with ``copy_``), which no pointer shows: the ``force`` entries, and
+        any whose sampled values no longer match the packed form's fingerprint."""
         changed, d2h = [], False
+        forced = {id(e) for e in force}
         with torch.no_grad(), torch.inference_mode(self.inference):
             for e in self.entries:
                 t = e.refs[0].get()
@@ -272,12 +366,21 @@ class HostStore:
                     raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
                 same = (t.data_ptr() == e.host_view.data_ptr() and t.dtype == e.dtype
                         and tuple(t.shape) == e.shape and tuple(t.stride()) == e.stride and t.device.type == "cpu")
+                if same and e.dtype in self._planes and (id(e) in forced or not self._fingerprint_holds(e)):
+                    e.tensor = t
+                    changed.append(e)      # its values are already in the arena view; only re-pack
+                    continue
                 if same:
                     e.tensor = t
                     continue
                 if t.dtype != e.dtype or tuple(t.shape) != e.shape:
                     raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor changed dtype or shape; "
                                        f"rebuild the prefetch store")
+                old = e.tensor
+                if old is not None and old is not t and old.data_ptr() == e.host_view.data_ptr():
+                    # why: the replaced tensor may still be held (ComfyUI's LoRA backup keeps the original
+                    # Parameter) and it points at the arena view the new values are about to overwrite
+                    old.data = old.data.clone()
                 d2h |= self._stage(e, t.data, transport)
                 e.tensor = t
                 changed.append(e)
@@ -285,6 +388,8 @@ class HostStore:
             transport.synchronize()   # one-time, outside the hot path: see _stage_all
         for e in changed:
             self._bind_host(e)
+        if changed and self._planes:
+            self._repack(changed, transport)
         self.restaged += len(changed)
         return len(changed)
 
@@ -304,10 +409,15 @@ class HostStore:
                 for r in e.refs:
                     r.get().data = fresh
         transport.synchronize()  # one-time: restored copies must land before the arenas go
-        for dtype, arena in self.arenas.items():
-            if self.pin_results[dtype].pinned:
-                transport.unpin(arena)
+        self.unpin(transport)
         self.arenas.clear()
+        self._planes.clear()
+
+    def unpin(self, transport: Transport) -> None:
+        """Unpin every arena and packed plane this store pinned (their values stay)."""
+        for t in self._pinned_arenas + self._pinned_planes:
+            transport.unpin(t)
+        self._pinned_arenas, self._pinned_planes = [], []
 
     # queries -------------------------------------------------------------------------------
     @property
@@ -350,6 +460,35 @@ class HostStore:
         return [sum(table[d][b][k] * a.element_size() for d, a in self.arenas.items())
                 for k in range(len(self.by_block[b]) + 1)]
 
+    def arena_pinned(self, dtype: torch.dtype) -> bool:
+        """Whether copies from this arena run at full speed: it is pinned, or the device needs no pinning."""
+        return not self._needs_pinning or any(t is self.arenas.get(dtype) for t in self._pinned_arenas)
+
+    def wire_bytes(self, dtype: torch.dtype, lo: int, hi: int) -> int:
+        """Bytes that cross the bus to fill arena elements [lo, hi): packed or as stored."""
+        if hi <= lo:
+            return 0
+        if dtype not in self.packed:
+            return (hi - lo) * self.arenas[dtype].element_size()
+        return packed_nbytes(hi - lo, self.escapes(dtype, lo, hi))
+
+    def escapes(self, dtype: torch.dtype, lo: int, hi: int) -> int:
+        key = (dtype, lo, hi)
+        if key not in self._esc_cache:
+            i0, i1 = self.packed[dtype].escapes(lo, hi)
+            self._esc_cache[key] = i1 - i0
+        return self._esc_cache[key]
+
+    def stream_cost(self, spans: dict[torch.dtype, list[tuple[int, int]]]) -> tuple[int, int]:
+        """(wire bytes, staging bytes) to stream these arena spans, one per streamed group: a packed
+        dtype needs one device staging buffer (``packed.staging_caps``: its widest group, capped)."""
+        wire = staging = 0
+        for dtype, ranges in spans.items():
+            wire += sum(self.wire_bytes(dtype, lo, hi) for lo, hi in ranges)
+            if dtype in self.packed:
+                staging += staging_nbytes(max((hi - lo for lo, hi in ranges), default=0))
+        return wire, staging
+
     def group_bytes(self, b0: int, b1: int) -> int:
         total = 0
         for dtype, arena in self.arenas.items():
@@ -360,13 +499,19 @@ class HostStore:
     def block_bytes(self) -> list[int]:
         return [self.group_bytes(b, b + 1) for b in range(self.n_blocks)]
 
+    def group_wire_bytes(self, b0: int, b1: int) -> int:
+        return sum(self.wire_bytes(d, *self.span(d, b0, b1)) for d in self.arenas)
+
+    def head_wire_bytes(self, b: int, k: int) -> int:
+        return sum(self.wire_bytes(d, *self.cut_span(d, b, k)) for d in self.arenas)
+
     @property
     def host_bytes(self) -> int:
-        return sum(tensor_nbytes(a) for a in self.arenas.values())
+        return sum(tensor_nbytes(a) for a in self.arenas.values()) + sum(p.nbytes for p in self._planes.values())
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(tensor_nbytes(self.arenas[d]) for d, r in self.pin_results.items() if r.pinned and d in self.arenas)
+        return sum(tensor_nbytes(t) for t in self._pinned_arenas + self._pinned_planes)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -396,6 +541,7 @@ class GroupPlan:
     transfer_s: float | None = None
     reason: str = ""
     cuts: tuple[int, ...] | None = None   # split plan: per block, how many leading tensors stream
+    packed: bool = False                  # bf16 streams losslessly packed (streamed_bytes are packed bytes)
 
     @property
     def split(self) -> bool:
@@ -451,21 +597,20 @@ def simulate_forward(pre_compute: float, compute: Sequence[float], copy: Sequenc
 
 
 def _layout_bytes(store: HostStore, g: int, d: int, r: int) -> tuple[int, int, int, int]:
-    """(resident block bytes, slot bytes, streamed bytes per forward, n_groups) for a grouping."""
+    """(resident block bytes, slot bytes, streamed bytes per forward, n_groups) for a grouping.
+    Streamed bytes are what crosses the bus (packed where the store packs); slot bytes include the
+    staging buffer packed groups are copied into before they are unpacked into their slot."""
     n = store.n_blocks
     n_groups = -(-n // g)
     res_blocks = min(n, r * g)
     resident = store.group_bytes(0, res_blocks) if res_blocks else 0
     slot = 0
-    streamed = 0
+    spans: dict[torch.dtype, list[tuple[int, int]]] = {}
     for dtype, arena in store.arenas.items():
-        widest = 0
-        for gi in range(r, n_groups):
-            lo, hi = store.span(dtype, gi * g, min(n, (gi + 1) * g))
-            widest = max(widest, hi - lo)
-            streamed += (hi - lo) * arena.element_size()
-        slot += widest * arena.element_size()
-    slots = (d + 1) * slot if n_groups > r else 0
+        spans[dtype] = [store.span(dtype, gi * g, min(n, (gi + 1) * g)) for gi in range(r, n_groups)]
+        slot += max((hi - lo for lo, hi in spans[dtype]), default=0) * arena.element_size()
+    streamed, staging = store.stream_cost(spans)
+    slots = (d + 1) * slot + staging if n_groups > r else 0
     return resident, slots, streamed, n_groups
 
 
@@ -474,7 +619,44 @@ def plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, r
                 other_compute_s: float = 0.0) -> GroupPlan:
     """Choose group size, depth and resident prefix: fit ``budget_bytes``, then minimise the
     simulated time per forward. Without measured compute, transfers are assumed not to hide, so
-    the plan keeps as much resident as fits with the smallest groups."""
+    the plan keeps as much resident as fits with the smallest groups.
+
+    With a packed store, plans that stream packed bytes (fewer bytes, plus a staging buffer) and plans
+    that stream as stored compete; as stored only when its arena is pinned (else its copies would run at
+    pageable speed), or as the fallback when no packed plan fits."""
+    args = (config, budget_bytes, remainder_bytes, bandwidth, block_compute_s, other_compute_s)
+    if not store.packed:
+        return _plan_groups(store, *args)
+    packed, failure = None, None
+    try:
+        packed = replace(_plan_groups(store, *args), packed=True)
+    except BudgetExceeded as exc:
+        failure = exc
+    pinned = all(store.arena_pinned(d) for d in store.packed)
+    if packed is not None and not pinned:
+        return packed
+    store.use_packed = False
+    try:
+        plain = _plan_groups(store, *args)
+    except BudgetExceeded:
+        if packed is None:
+            raise failure from None
+        return packed
+    finally:
+        store.use_packed = True
+    if packed is not None and not _better(plain, packed):
+        return packed
+    why = ("no packed plan fits the budget (its staging buffer)" if packed is None else
+           "streaming as stored is predicted faster at this budget" if plain.predicted_s is not None else
+           "streaming as stored moves fewer bytes at this budget (the staging buffer costs resident room)")
+    if not pinned:
+        why += "; the bf16 arena is not pinned, so those copies run at pageable speed"
+    return replace(plain, reason=(plain.reason + "; " if plain.reason else "") + f"as stored: {why}")
+
+
+def _plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, remainder_bytes: int,
+                 bandwidth: float | None, block_compute_s: Sequence[float] | None,
+                 other_compute_s: float) -> GroupPlan:
     n = store.n_blocks
     fixed_g, fixed_d, fixed_r = config.blocks_per_group, config.prefetch_depth, config.resident_groups
     gs = [min(fixed_g, n)] if fixed_g != AUTO else list(range(1, n + 1))
@@ -518,15 +700,19 @@ def plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, r
 
 
 def _split_layout(store: HostStore, cuts: Sequence[int], d: int) -> tuple[int, int, int]:
-    """(device bytes of the blocks: resident tails + slots, slot bytes, streamed bytes) of a split plan."""
+    """(device bytes of the blocks: resident tails + slots, slot bytes, streamed bytes over the bus)
+    of a split plan (slot bytes include a packed store's staging buffer, as in ``_layout_bytes``)."""
     table = store.head_table()
-    slot = streamed = 0
+    slot = heads = 0
+    spans: dict[torch.dtype, list[tuple[int, int]]] = {}
     for dtype, arena in store.arenas.items():
         widths = [table[dtype][b][k] for b, k in enumerate(cuts)]
-        streamed += sum(widths) * arena.element_size()
+        heads += sum(widths) * arena.element_size()
         slot += max(widths, default=0) * arena.element_size()
-    slots = (d + 1) * slot if any(cuts) else 0
-    return sum(store.block_bytes()) - streamed + slots, slots, streamed
+        spans[dtype] = [store.cut_span(dtype, b, k) for b, k in enumerate(cuts) if k]
+    streamed, staging = store.stream_cost(spans)
+    slots = (d + 1) * slot + staging if any(cuts) else 0
+    return sum(store.block_bytes()) - heads + slots, slots, streamed
 
 
 def _split_plan(store: HostStore, d: int, budget_bytes: float,
@@ -584,7 +770,7 @@ def _score_split(store, d, cuts, need, slots, streamed, bandwidth, block_compute
                      reason="split blocks: streamed heads, resident tails")
     if bandwidth is None or block_compute_s is None:
         return plan
-    heads = [store.head_bytes(b)[k] for b, k in enumerate(cuts)]
+    heads = [store.head_wire_bytes(b, k) for b, k in enumerate(cuts)]
     # a streamed group's compute runs until the next streamed block (resident blocks in between)
     pre, comp, copy = other_compute_s, [], []
     for b in range(n):
@@ -612,7 +798,7 @@ def _score(store, g, d, r, n_groups, need, slots, streamed, bandwidth, block_com
     for gi in range(r, n_groups):
         b0, b1 = gi * g, min(n, (gi + 1) * g)
         comp.append(sum(block_compute_s[b0:b1]))
-        copy.append(store.group_bytes(b0, b1) / bandwidth)
+        copy.append(store.group_wire_bytes(b0, b1) / bandwidth)
     pre = other_compute_s + sum(block_compute_s[:res_blocks])
     total_compute = pre + sum(comp)
     transfer = sum(copy)
@@ -710,7 +896,25 @@ class _Group:
     tag: str
     nbytes: int = 0
     host: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # arena slices
+    spans: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)   # their element ranges
     entries: list[_Entry] = field(default_factory=list)
+
+
+@dataclass
+class _Staging:
+    """Device buffer a packed dtype's bytes land in before they are unpacked into a slot."""
+
+    values: int
+    escapes: int
+    sm: torch.Tensor             # uint8 [values]
+    nib: torch.Tensor            # uint8 [values / 2]
+    esc_pos: torch.Tensor        # int64 [escapes]
+    esc_val: torch.Tensor        # int16 [escapes]
+    table: torch.Tensor          # int32 [16]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for t in (self.sm, self.nib, self.esc_pos, self.esc_val, self.table))
 
 
 class PrefetchHandle:
@@ -730,6 +934,7 @@ class PrefetchHandle:
         self._hooks: list[Any] = []
         self._moved: list[tuple[_Ref, torch.Tensor]] = []     # (ref, original object) moved to the device
         self._resident_bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._staging: dict[torch.dtype, _Staging] = {}
         self.slots: list[_Slot] = []
         self.groups: list[_Group] = []
         self.group_of: list[int] = []
@@ -841,12 +1046,14 @@ class PrefetchHandle:
             for dtype, (lo, hi) in spans.items():
                 if hi > lo:
                     grp.host[dtype] = store.arenas[dtype][lo:hi]
+                    grp.spans[dtype] = (lo, hi)
                     grp.nbytes += (hi - lo) * store.arenas[dtype].element_size()
             self.groups.append(grp)
             for b in range(b0, b1):
                 self.group_of[b] = gi
         self.stream_order = [grp.index for grp in self.groups if not grp.resident]
         with torch.no_grad(), torch.inference_mode(self.store.inference):
+            self._allocate_staging()
             self._place_resident(kept)
             if not plan.split and not self.config.manage_resident and plan.resident_groups:
                 self.notes.append("resident groups are placed by the caller (manage_resident=False)")
@@ -877,6 +1084,43 @@ class PrefetchHandle:
             self.notes.append(f"only {len(self.stream_order)} streamed group(s) for prefetch_depth="
                               f"{plan.prefetch_depth}: they stay in their slots after the first forward")
 
+    def _allocate_staging(self) -> None:
+        """One staging buffer per packed dtype, sized for its widest streamed group (values and escapes)."""
+        if not self.plan.packed:
+            return
+        for dtype in self.store.packed:
+            ranges = [self.groups[gi].spans[dtype] for gi in self.stream_order if dtype in self.groups[gi].spans]
+            if not ranges:
+                continue
+            values, escapes = staging_caps(max(hi - lo for lo, hi in ranges))
+            e = self.transport.empty
+            table = self.transport.copy_to_device(self.store.packed[dtype].table, e((16,), torch.int32),
+                                                  tag="packed-table")
+            self._staging[dtype] = _Staging(values, escapes, e((values,), torch.uint8), e((values // 2,), torch.uint8),
+                                            e((escapes,), torch.int64), e((escapes,), torch.int16), table)
+
+    def _copy_range(self, dtype: torch.dtype, lo: int, hi: int, dst: torch.Tensor, tag: str) -> None:
+        """Fill ``dst`` with arena elements [lo, hi): one copy as stored, or for a packed dtype its
+        packed bytes into the staging buffer, then unpacked into ``dst`` on the copy stream (in
+        pieces when the range is wider than the staging buffer, e.g. the resident part)."""
+        st = self._staging.get(dtype)
+        if st is None:
+            self.transport.copy_to_device(self.store.arenas[dtype][lo:hi], dst, tag=tag)
+            return
+        pk = self.store.packed[dtype]
+        for a, b, i0, i1 in pk.pieces(lo, hi, st.values, st.escapes):
+            n, m, h = b - a, i1 - i0, (b - a + 1) // 2
+            self.transport.copy_to_device(pk.sm[a:b], st.sm[:n], tag=tag)
+            self.transport.copy_to_device(pk.nib[a // 2:a // 2 + h], st.nib[:h], tag=tag)
+            if m:
+                self.transport.copy_to_device(pk.esc_pos[i0:i1], st.esc_pos[:m], tag=tag)
+                self.transport.copy_to_device(pk.esc_val[i0:i1], st.esc_val[:m], tag=tag)
+            out = dst[a - lo:b - lo]
+            self.transport.on_copy_stream(
+                lambda n=n, m=m, h=h, a=a, out=out: unpack(st.sm[:n], st.nib[:h], st.table, st.esc_pos[:m],
+                                                           st.esc_val[:m], a, out),
+                tag=tag, nbytes=tensor_nbytes(out))
+
     def _place_resident(self, kept: Sequence[tuple[int, int]]) -> None:
         """Copy the resident parts (whole resident blocks, tails of split blocks) to one device
         buffer per dtype, one copy per contiguous arena range, and bind their tensors for good."""
@@ -897,7 +1141,7 @@ class PrefetchHandle:
             buf = self.transport.empty((sum(hi - lo for lo, hi in ranges),), dtype)
             base, where = 0, []
             for lo, hi in ranges:
-                self.transport.copy_to_device(arena[lo:hi], buf[base:base + hi - lo], tag="resident")
+                self._copy_range(dtype, lo, hi, buf[base:base + hi - lo], tag="resident")
                 where.append((lo, hi, base))
                 base += hi - lo
             self._resident_bufs[dtype] = buf
@@ -918,7 +1162,7 @@ class PrefetchHandle:
         self.transport.synchronize()   # one-time (re-plan / remove): in-flight copies must finish first
         for e in self.store.entries:
             HostStore._bind_host(e)
-        self.slots, self._slot_of, self._resident_bufs = [], {}, {}
+        self.slots, self._slot_of, self._resident_bufs, self._staging = [], {}, {}, {}
         self._views, self._dst = {}, {}
 
     # hooks ---------------------------------------------------------------------------------
@@ -1021,8 +1265,8 @@ class PrefetchHandle:
         self.transport.wait_compute(tag=grp.tag)
         dst = self._dst[(h, slot.index)]
         with torch.inference_mode(self.store.inference):   # slots match the parameters' kind
-            for dtype, src in grp.host.items():
-                self.transport.copy_to_device(src, dst[dtype], tag=grp.tag)
+            for dtype, (lo, hi) in grp.spans.items():
+                self._copy_range(dtype, lo, hi, dst[dtype], tag=grp.tag)
         slot.event = self.transport.record(tag=grp.tag)
         slot.group = h
         self._slot_of[h] = slot
@@ -1111,6 +1355,10 @@ class PrefetchHandle:
             "last_forward": {"h2d_bytes": self.last.h2d_bytes, "d2h_bytes": self.last.d2h_bytes,
                              "h2d_copies": self.last.h2d_copies, "misses": self.last.misses,
                              "seconds": self.last.seconds},
+            "packed": bool(self._staging),
+            "stream_device_bytes_per_forward": sum(self.groups[gi].nbytes for gi in self.stream_order),
+            "staging_bytes": sum(st.nbytes for st in self._staging.values()),
+            "pack_seconds": self.store.pack_seconds,
             "bandwidth_bytes_per_s": self.bandwidth,
             "compute_s": p.compute_s,
             "transfer_s": p.transfer_s,
@@ -1137,6 +1385,14 @@ class PrefetchHandle:
             f"per forward: {_gb(s['streamed_bytes_per_forward'])} host->device planned; last forward moved "
             f"{_gb(s['last_forward']['h2d_bytes'])} host->device, {_gb(s['last_forward']['d2h_bytes'])} device->host.",
         ]
+        if self.config.packed and not s["packed"] and "as stored:" in p.reason:
+            lines.append("packed streaming not used: " + p.reason.split("as stored: ", 1)[1] + ".")
+        if s["packed"]:
+            dev_b = s["stream_device_bytes_per_forward"]
+            lines.append(
+                f"packed bf16 (lossless): {_gb(s['streamed_bytes_per_forward'])} cross the bus for {_gb(dev_b)} of "
+                f"weights ({s['streamed_bytes_per_forward'] / max(1, dev_b):.2f}x), unpacked on the device through a "
+                f"{_gb(s['staging_bytes'])} staging buffer; packing took {s['pack_seconds']:.1f} s (once per store).")
         if s["floor_s"] is not None:
             line = (f"timing: compute {s['compute_s'] * 1e3:.1f} ms, transfer {s['transfer_s'] * 1e3:.1f} ms at "
                     f"{s['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, floor max(compute, transfer) "
@@ -1229,14 +1485,19 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
         raise ConfigError("config", type(config).__name__, "a PrefetchConfig")
     layout = layout or find_blocks(module)
     owns = store is None
+    pack_ok, pack_why = packing_supported(transport.device)
     if store is None:
-        store = HostStore(layout.blocks, transport, pin=config.pin)
+        store = HostStore(layout.blocks, transport, pin=config.pin, packed=config.packed and pack_ok)
     else:
         store.refresh(transport)
     budget = _auto_budget(module, transport.device) if config.budget_bytes == AUTO else float(config.budget_bytes)
     if bandwidth is None and store.host_bytes:
         bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
+    store.use_packed = config.packed     # a store packed for another install streams as stored here
     handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget)
+    if config.packed and not store.packed:
+        handle.notes.append("packed streaming off: " + (pack_why if not pack_ok else
+                                                        "no bf16 weights in the streamed blocks") + ".")
     try:
         handle._install()
     except BaseException:

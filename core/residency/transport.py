@@ -23,6 +23,7 @@ class Ledger:
     d2h_bytes: int = 0
     h2d_copies: int = 0
     d2h_copies: int = 0
+    decoded_bytes: int = 0             # device bytes written by work run on the copy stream (unpacking)
     seconds: float = 0.0
     by_tag: dict[str, int] = field(default_factory=dict)
 
@@ -38,10 +39,10 @@ class Ledger:
 
     def snapshot(self) -> dict[str, Any]:
         return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "h2d_copies": self.h2d_copies,
-                "d2h_copies": self.d2h_copies, "seconds": round(self.seconds, 6)}
+                "d2h_copies": self.d2h_copies, "decoded_bytes": self.decoded_bytes, "seconds": round(self.seconds, 6)}
 
     def reset(self) -> None:
-        self.h2d_bytes = self.d2h_bytes = self.h2d_copies = self.d2h_copies = 0
+        self.h2d_bytes = self.d2h_bytes = self.h2d_copies = self.d2h_copies = self.decoded_bytes = 0
         self.seconds = 0.0
         self.by_tag.clear()
 
@@ -66,6 +67,8 @@ class Transport:
     wait(event)  -> the compute stream waits for that event before using the copied tensor
     wait_compute() -> the copy stream waits for compute issued so far (before reusing a slot)
     release(tag) -> a device copy is no longer needed by compute (bookkeeping, no bytes)
+    on_copy_stream(fn, tag, nbytes) -> run device work (unpacking a copied buffer) ordered after the
+                   copies issued so far and before the next ``record``; ``nbytes``: device bytes it writes
     pin(tensor)  -> page-lock host memory in place where possible; PinResult says what happened
     """
 
@@ -92,6 +95,10 @@ class Transport:
 
     def release(self, tag: str = "") -> None:
         pass
+
+    def on_copy_stream(self, fn, tag: str = "", nbytes: int = 0) -> None:
+        fn()
+        self.ledger.decoded_bytes += nbytes
 
     def pin(self, t: torch.Tensor) -> PinResult:
         return PinResult(False, f"{self.name} transport does not pin")
@@ -189,6 +196,13 @@ class CudaTransport(Transport):
     def wait_compute(self, tag=""):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def on_copy_stream(self, fn, tag="", nbytes=0):
+        # why on the copy stream: the unpacked slot must be complete before the event that compute
+        # waits on, and the staging buffer it reads is only overwritten by the next copy there
+        with torch.cuda.stream(self.stream):
+            fn()
+        self.ledger.decoded_bytes += nbytes
+
     def synchronize(self):
         self.stream.synchronize()
 
@@ -252,7 +266,7 @@ def pinned_bytes_by_levers() -> int:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str      # "h2d" | "d2h" | "record" | "wait" | "wait_compute" | "release" | "compute"
+    kind: str      # "h2d" | "d2h" | "record" | "wait" | "wait_compute" | "release" | "compute" | "decode"
     tag: str
     nbytes: int = 0
 
@@ -291,6 +305,10 @@ class RecordingTransport(Transport):
     def release(self, tag=""):
         self.ops.append(Op("release", tag))
         return self.inner.release(tag)
+
+    def on_copy_stream(self, fn, tag="", nbytes=0):
+        self.ops.append(Op("decode", tag, nbytes))
+        return self.inner.on_copy_stream(fn, tag, nbytes)
 
     def note_compute(self, tag: str) -> None:
         """Engines call this when compute of ``tag`` starts, so schedules can be asserted."""
