@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
+from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
     measure_bandwidth, spend_leftover
 from ..core.residency.transport import Transport, make_transport
@@ -45,6 +46,9 @@ _GIB = 1024 ** 3
 # Host arenas survive between runs (packing and pinning cost ~0.6 s/GB): one per diffusion model.
 _STORES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], HostStore]]" = weakref.WeakKeyDictionary()
 _BANDWIDTH: dict[str, float] = {}
+# Per diffusion model, the weight keys the last run streamed patched (LoRA): ComfyUI may restore them in place
+# into our arena views at its next load, which the store cannot see by pointer, so they are re-staged then.
+_PATCHED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def _gb(n: float) -> str:
@@ -63,6 +67,12 @@ def _diffusion_model(patcher) -> nn.Module:
     return patcher.model.diffusion_model
 
 
+def _staging(widest_bytes: int, cfg: PrefetchConfig) -> int:
+    """Device bytes of the packed-streaming staging buffer for slots of ``widest_bytes`` (an upper
+    bound: at most ``widest_bytes / 2`` bf16 values pack), 0 without packing."""
+    return staging_nbytes(widest_bytes // 2) if cfg.packed else 0
+
+
 def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig) -> int:
     """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots."""
     n = len(block_bytes)
@@ -73,7 +83,7 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
     for k in range(n, -1, -1):
         rest = block_bytes[k:]
         widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
-        if other_bytes + sum(block_bytes[:k]) + (d + 1) * widest <= budget:
+        if other_bytes + sum(block_bytes[:k]) + (d + 1) * widest + _staging(widest, cfg) <= budget:
             return k
     return 0
 
@@ -94,8 +104,9 @@ def _own_bytes(m: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
 
 
-def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitLayout | None:
-    """The smallest head cap whose layout fits: other + tails + (depth + 1) x cap <= budget.
+def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
+                  cfg: PrefetchConfig = PrefetchConfig()) -> SplitLayout | None:
+    """The smallest head cap whose layout fits: other + tails + (depth + 1) x cap (+ staging) <= budget.
 
     A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
     leading leaf modules (registration order) up to the cap; the tail is the rest. Streamed bytes
@@ -118,7 +129,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int) -> SplitL
         cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
-        need = other_bytes + total_blocks - streamed + (depth + 1) * max(heads)
+        need = other_bytes + total_blocks - streamed + (depth + 1) * max(heads) + _staging(max(heads), cfg)
         if need > budget:
             continue
         cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
@@ -156,7 +167,7 @@ class _Session:
         if (cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
                 and not math.isinf(self.budget) and self.streamed):
             depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
-            split = _split_blocks(self.layout.blocks, other, self.budget, depth)
+            split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg)
             if split is not None and split.streamed_bytes < self.streamed_bytes:
                 self.split, self.k = split, 0
                 self.streamed = [self.layout.blocks[b] for b in split.streamed]
@@ -250,9 +261,9 @@ class _Session:
             self.skip_reason = (f"ComfyUI already holds the streamed blocks on {dev} (loaded by another clone "
                                 f"of this model); streaming resumes after it is unloaded (Free model and node cache)")
             return
-        self._patch_streamed_keys()
+        patched = self._patch_streamed_keys()
         transport = make_transport(dev)
-        store = self._store(transport)
+        store = self._store(transport, patched)
         bandwidth = self._bandwidth(transport, store)
         budget = self.budget - (module_bytes(self.root) - self.streamed_bytes) if not math.isinf(self.budget) \
             else AUTO
@@ -269,32 +280,67 @@ class _Session:
         self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
                                            layout=layout)
 
-    def _patch_streamed_keys(self) -> None:
+    def _patch_streamed_keys(self) -> set[str]:
         """LoRA and other weight patches on streamed weights, applied by ComfyUI itself on the
-        offload device (so they are backed up and undone by ComfyUI, and what streams is patched)."""
+        offload device (so they are backed up and undone by ComfyUI, and what streams is patched).
+        Returns the keys of the streamed weights that carry a patch this run."""
         p = self.patcher
         prefix = "diffusion_model."
         tails = self.tails
+        cached = _STORES.get(self.root)
+        arena_ptrs = {e.host_view.data_ptr() for e in cached[1].entries} if cached is not None else set()
+        patched = set()
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
                 if id(param) in tails:
                     continue   # ComfyUI loads (and patches) the tails itself
                 key = f"{prefix}{name}.{pname}"
-                if key in p.patches and key not in p.backup:
-                    p.patch_weight_to_device(key, device_to=p.offload_device)
+                if key not in p.patches:
+                    continue
+                patched.add(key)
+                if key in p.backup:
+                    continue
+                if param.data_ptr() in arena_ptrs:
+                    # why: ComfyUI's backup keeps this Parameter (or copies it) and the patched weight is
+                    # then staged into the arena view it points at, which would overwrite the backup's
+                    # values; the Parameter gets its own copy first, so undoing the patch restores them
+                    with torch.inference_mode(param.is_inference()):
+                        param.data = param.data.clone()
+                p.patch_weight_to_device(key, device_to=p.offload_device)
+        return patched
 
-    def _store(self, transport: Transport) -> HostStore:
+    def _store(self, transport: Transport, patched: set[str]) -> HostStore:
         tails = self.tails
-        ids = (tuple(id(b) for _, b in self.streamed), tails)
+        cfg = self.state.request.config
+        packed = cfg.packed and packing_supported(transport.device)[0]
+        ids = (tuple(id(b) for _, b in self.streamed), tails, packed)
         cached = _STORES.get(self.root)
+        before = _PATCHED.get(self.root, set())
+        _PATCHED[self.root] = set(patched)
         if cached is not None and cached[0] == ids:
-            cached[1].refresh(transport)
+            # weights patched now, or last run (ComfyUI may have restored those in place), are re-staged
+            cached[1].refresh(transport, force=self._entries(cached[1], before | patched))
             return cached[1]
         if cached is not None:
             cached[1].restore(transport)
-        store = HostStore(self.streamed, transport, pin=self.state.request.config.pin, exclude=tails)
+        store = HostStore(self.streamed, transport, pin=cfg.pin, exclude=tails, packed=packed)
         _STORES[self.root] = (ids, store)
         return store
+
+    def _entries(self, store: HostStore, keys: set[str]) -> list:
+        """The store entries holding these ``diffusion_model.``-prefixed weight keys."""
+        by_ref = {(id(r.owner), r.name): e for e in store.entries for r in e.refs}
+        out = []
+        for key in keys:
+            path, _, name = key[len("diffusion_model."):].rpartition(".")
+            try:
+                owner = self.root.get_submodule(path)
+            except AttributeError:
+                continue
+            e = by_ref.get((id(owner), name))
+            if e is not None:
+                out.append(e)
+        return out
 
     @staticmethod
     def _bandwidth(transport: Transport, store: HostStore) -> float:
@@ -398,7 +444,10 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
              f"{_gb(module_bytes(diffusion) - sum(sizes))} outside them.",
              f"settings: blocks_per_group={config.blocks_per_group}, prefetch_depth={config.prefetch_depth}, "
              f"resident_groups={config.resident_groups}, VRAM budget="
-             f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}.",
+             f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}"
+             + (", packed bf16 streaming" if config.packed else "") + ".",
+             *([f"packed bf16 unavailable on {clone.load_device}: {packing_supported(clone.load_device)[1]}; "
+                "weights stream as stored."] if config.packed and not packing_supported(clone.load_device)[0] else []),
              "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "
              "the first step's measured compute); each run's achieved numbers appear on this node after it "
              "(and in the log line 'levers: GroupPrefetch ...')."]
