@@ -1129,6 +1129,7 @@ class LeversPrefetch:
             self.reason = f"core/{which.replace('.', '/')}.py unavailable ({pieces.status.get(which)})"
         self.model = self.layout = self.store = self.transport = None
         self.build_s = None
+        self.pack_s = None
 
     def build_store(self, spec: DiTSpec, host: HostWeights, device: torch.device) -> dict[str, Any]:
         """Bind a model to ``host``, pack its blocks into the pinned arena, and re-point
@@ -1161,12 +1162,26 @@ class LeversPrefetch:
                 "architecture": self.layout.architecture, "blocks": len(self.layout.blocks),
                 "kept_unstreamed": self.store.kept[:10]}
 
-    def apply(self, weights_budget: int | None):
+    def apply(self, weights_budget: int | None, packed: bool = False):
+        """Install for one budget. ``packed``: stream the bf16 arena losslessly packed (packed once, on the
+        GPU, the first time; the same store streams as stored again for the other cases)."""
         if self.reason:
             raise Skip(self.reason)
         if self.store is None:
             raise Skip("the GroupPrefetch host arena was not built (see the model's levers_store)")
-        cfg = self.mod.PrefetchConfig(budget_bytes="auto" if weights_budget is None else int(weights_budget))
+        budget = "auto" if weights_budget is None else int(weights_budget)
+        if packed:
+            if not hasattr(self.store, "pack_arenas"):
+                raise Skip("this checkout has no packed streaming (HostStore.pack_arenas)")
+            ok, why = self.mod.packing_supported(self.transport.device)
+            if not ok:
+                raise Skip(f"packed streaming unavailable: {why}")
+            if not self.store.packed and not getattr(self.store, "_planes", None):
+                self.store.pack_arenas(self.transport)
+                self.pack_s = self.store.pack_seconds
+        if hasattr(self.store, "use_packed"):
+            self.store.use_packed = packed
+        cfg = self.mod.PrefetchConfig(budget_bytes=budget, **({"packed": True} if packed else {}))
         return self.mod.apply_group_prefetch(self.model, cfg, self.transport, store=self.store, layout=self.layout)
 
     def h2d_bytes(self) -> int:
@@ -1185,9 +1200,12 @@ class LeversPrefetch:
 
     def close(self) -> None:
         if self.store is not None:
-            for dtype, res in self.store.pin_results.items():
-                if res.pinned and dtype in self.store.arenas:
-                    self.transport.unpin(self.store.arenas[dtype])
+            if hasattr(self.store, "unpin"):
+                self.store.unpin(self.transport)
+            else:   # a checkout from before HostStore.unpin
+                for dtype, res in self.store.pin_results.items():
+                    if res.pinned and dtype in self.store.arenas:
+                        self.transport.unpin(self.store.arenas[dtype])
             self.store.arenas.clear()
         self.model = self.layout = self.store = None
 
@@ -1195,7 +1213,7 @@ class LeversPrefetch:
 def dit_budgets(suite: Suite, spec: DiTSpec) -> list[tuple[str, int]]:
     if suite.smoke:
         total = model_bytes(spec)
-        return [(f"{f:.0%} of weights", int(total * f) + 2 * MIB) for f in (0.35, 0.6)]
+        return [(f"{f:.0%} of weights", int(total * f)) for f in (0.8, 0.9)]   # small enough that weights stream
     return [(f"{g:g} GiB", int(g * GIB)) for g in suite.args.budgets]
 
 
@@ -1391,11 +1409,16 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             free_device_memory(dev)
 
     for label, budget in dit_budgets(suite, spec):
-        def prefetch(r: dict, budget=budget, levers=levers) -> None:
+        def prefetch(r: dict, budget=budget, levers=levers, packed: bool = False) -> None:
             if levers.reason:
                 raise Skip(levers.reason)
             pf_warmup = int(getattr(levers.mod, "CALIBRATION_FORWARD", 0)) + 2
             enough_time(8 + (pf_warmup + iters) * step_est * 3, "levers_prefetch")
+            if packed:
+                plain = next((c for c in cases if c.get("engine") == "levers_prefetch"
+                              and c.get("budget") == label and c.get("status") == "ok"), None)
+                if plain is not None and not plain.get("h2d_bytes_per_step"):
+                    raise Skip("nothing streams at this budget (the plain GroupPrefetch case moved 0 bytes)")
             # GroupPrefetch budgets weights only; the card budget also holds activations, so the
             # engine gets budget - (measured activation peak of the resident run + 10% + 256 MiB).
             act = ref["act_peak"] or 0
@@ -1408,7 +1431,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             try:
                 with vram_budget(dev, budget), torch.inference_mode():
                     t0 = time.perf_counter()
-                    handle = levers.apply(weights_budget)
+                    handle = levers.apply(weights_budget, packed) if packed else levers.apply(weights_budget)
                     sync(dev)
                     setup = time.perf_counter() - t0
                     # warm-ups until steady state: GroupPrefetch times one forward (CALIBRATION_FORWARD),
@@ -1431,9 +1454,15 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
                     r["bit_exact_vs_resident_fp8"] = bool(torch.equal(out.detach().to("cpu"), ref_fp8))
                     r["max_abs_diff_vs_resident_fp8"] = rnd(float((out.detach().float().cpu()
                                                                    - ref_fp8.float()).abs().max()), 6)
+                if packed:
+                    r["packed_active"] = bool((st or {}).get("packed"))    # False: the planner streamed as stored
+                    r["pack_s"] = rnd(levers.pack_s, 2)
+                    r["stream_device_bytes_per_step"] = (st or {}).get("stream_device_bytes_per_forward")
             finally:
                 if handle is not None:
                     handle.remove()
+                if packed and hasattr(levers.store, "use_packed"):
+                    levers.store.use_packed = False
 
         def comfy(r: dict, budget=budget) -> None:
             cb = suite.comfy
@@ -1494,10 +1523,13 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             run_resident(r, budget)
 
         case("levers_prefetch", label, budget, prefetch)
-        if levers_fp8 is not None:
-            case("levers_prefetch_fp8", label, budget, lambda r, budget=budget: prefetch(r, budget, levers_fp8))
         case("comfyui_lowvram", label, budget, comfy)
         case("resident", label, budget, resident)
+        # the extra levers after the main comparison, so a tight deadline drops these first
+        if not suite.args.no_packed_stream:
+            case("levers_prefetch_packed", label, budget, lambda r, budget=budget: prefetch(r, budget, levers, True))
+        if levers_fp8 is not None:
+            case("levers_prefetch_fp8", label, budget, lambda r, budget=budget: prefetch(r, budget, levers_fp8))
     if levers_fp8 is not None:
         levers_fp8.close()
         qstate.clear()
@@ -2381,6 +2413,24 @@ def build_summary(results: dict) -> dict[str, Any]:
         definition="worst case of GroupPrefetch streaming the fp8 model (QuantizeDiT, half the bytes) / ComfyUI "
                    "lowvram streaming the bf16 model, s/step at the same budget; output differs by fp8 rounding "
                    "(bit_exact_vs_resident_fp8 checks the streaming itself)")
+    # the same, GroupPrefetch streaming the bf16 model losslessly packed (~0.76x the bytes), output bit-identical
+    packed_by_case, packed_exact = {}, []
+    for c in ok:
+        if c["engine"] == "levers_prefetch_packed" and c.get("packed_active") and (c["model"], c["budget"]) in comfy:
+            base = comfy[(c["model"], c["budget"])]
+            if (base.get("h2d_bytes_per_step") or 0) or (c.get("h2d_bytes_per_step") or 0):
+                c["vs_comfy"] = rnd(c["s_per_step"] / base["s_per_step"], 3)
+                packed_by_case[f"{c['model']}@{c['budget']}"] = c["vs_comfy"]
+                packed_exact.append(bool(c.get("bit_exact")))
+    packed_worst = max(packed_by_case.values(), default=None)
+    summary["prefetch_packed_vs_comfy"] = _metric(
+        packed_worst, comfy_reason or "no case streamed packed bytes with a ComfyUI case at the same budget (each "
+                                      "levers_prefetch_packed case's levers_report says why)",
+        "<= 0.77 (>= 1.3x faster), bit-exact", None if packed_worst is None else
+        (packed_worst <= 1 / 1.3 and all(packed_exact)), by_case=packed_by_case, all_bit_exact=all(packed_exact),
+        definition="worst case of GroupPrefetch streaming the bf16 model losslessly packed (12 bits per weight on "
+                   "the bus, unpacked on the GPU) / ComfyUI lowvram, s/step at the same budget, over budgets where "
+                   "weights stream; each case must be bit-exact against the resident run")
     cp = (results.get("sections", {}).get("comfy_phase", {}) or {}).get("results") or {}
     ratio = cp.get("ratio_total_time")
     summary["phase_in_comfy_time_vs_default"] = _metric(
@@ -2732,6 +2782,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--phase-gib", type=float, default=4.0, help="size of the phase-offload module, GiB")
     p.add_argument("--no-prepin", action="store_true", help="do not pin the DiT host weights before the cases")
     p.add_argument("--no-fp8-dit", action="store_true", help="skip the whole-DiT fp8 step case")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weight dtype of the DiT shapes (auto: bf16 on CUDA, fp32 on the CPU; --smoke --dtype bf16 "
+                        "checks the packed-bf16 wiring on a CPU)")
+    p.add_argument("--no-packed-stream", action="store_true",
+                   help="skip GroupPrefetch streaming the bf16 weights losslessly packed (levers_prefetch_packed)")
     p.add_argument("--no-fp8-stream", action="store_true",
                    help="skip GroupPrefetch streaming the fp8 model (fp8 bytes over the bus) at each budget")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, every code path, seconds (CPU is fine)")
@@ -2778,7 +2833,9 @@ def main(argv: list[str] | None = None) -> int:
         return render_only(Path(args.out))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     suite = Suite(args)
-    if suite.device.type != "cuda":
+    if args.dtype != "auto":
+        DTYPE["value"] = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    elif suite.device.type != "cuda":
         DTYPE["value"] = torch.float32
         if args.smoke:
             torch.set_num_threads(1)   # tiny ops: OpenMP fan-out only adds spin-waits on a busy CPU

@@ -441,6 +441,7 @@ def bench_ledger(sizes: Sizes) -> dict[str, Any]:
             "bit_exact": bool(torch.equal(y, ref))}
     finally:
         handle.remove()
+    out["group_prefetch_packed"] = _ledger_packed(sizes, x)
 
     enc = ToyDiT(sizes.toy_d, 4 * sizes.toy_d, sizes.toy_depth).eval()
     with torch.inference_mode():
@@ -464,6 +465,42 @@ def bench_ledger(sizes: Sizes) -> dict[str, Any]:
     finally:
         ph.remove()
     return out
+
+
+def _ledger_packed(sizes: Sizes, x: torch.Tensor) -> dict[str, Any]:
+    """The bf16 toy DiT streamed as stored and losslessly packed at the same budget: bytes per step, bit-exactness."""
+    from .residency.prefetch import PrefetchConfig, apply_group_prefetch
+    from .residency.transport import CpuTransport, RecordingTransport
+
+    torch.manual_seed(0)
+    model = ToyDiT(sizes.toy_d, 4 * sizes.toy_d, sizes.toy_depth).eval().to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(xb)
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    budget = rest + int(max(0.4, 2.5 / sizes.toy_depth) * block_bytes)
+    row: dict[str, Any] = {"model": f"toy DiT in bf16, {sizes.toy_depth} blocks", "budget_bytes": budget}
+    for packed in (False, True):
+        tr = RecordingTransport(CpuTransport())
+        t0 = time.perf_counter()
+        handle = apply_group_prefetch(model, PrefetchConfig(budget_bytes=budget, packed=packed), tr, bandwidth=0)
+        setup = time.perf_counter() - t0
+        try:
+            with torch.inference_mode():
+                for _ in range(3):
+                    before = tr.ledger.h2d_bytes
+                    y = model(xb)
+            st = handle.stats()
+            key = "packed" if packed else "as_stored"
+            row[key] = {"h2d_bytes_per_step": tr.ledger.h2d_bytes - before, "planned": st["streamed_bytes_per_forward"],
+                        "weights_streamed_bytes": st["stream_device_bytes_per_forward"], "packed_active": st["packed"],
+                        "staging_bytes": st["staging_bytes"], "setup_s": _r(setup, 3),
+                        "pack_s": _r(st["pack_seconds"], 3), "bit_exact": bool(torch.equal(y, ref))}
+        finally:
+            handle.remove()
+    row["wire_ratio"] = _r(row["packed"]["h2d_bytes_per_step"] / max(1, row["as_stored"]["h2d_bytes_per_step"]), 4)
+    return row
 
 
 SECTIONS: dict[str, Callable] = {"quantize": bench_quantize, "vae": bench_vae, "recommend": bench_recommend,
@@ -527,6 +564,11 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"ledger: GroupPrefetch {gp['steady_h2d_bytes_per_step'] / MIB:.1f} MiB host->device per step "
                      f"(planned {(gp['streamed_bytes_planned'] or 0) / MIB:.1f}), {gp['d2h_bytes_per_step']} B "
                      f"device->host, bit-exact {gp['bit_exact']}")
+        pk = led.get("group_prefetch_packed") or {}
+        if "wire_ratio" in pk:
+            lines.append(f"        GroupPrefetch packed bf16 {pk['packed']['h2d_bytes_per_step'] / MIB:.1f} MiB per step "
+                         f"vs {pk['as_stored']['h2d_bytes_per_step'] / MIB:.1f} MiB as stored (x{pk['wire_ratio']}), "
+                         f"bit-exact {pk['packed']['bit_exact']}")
         if ph:
             lines.append(f"        PhaseOffload {ph['h2d_bytes_per_onload'] / MIB:.1f} MiB per onload, "
                          f"{ph['offload_d2h_bytes']} B per offload, bit-exact {ph['bit_exact']}")

@@ -82,6 +82,12 @@ def test_cpu_bench_reports_every_section_with_engine_invariants(tmp_path, one_th
     assert gp["steady_h2d_bytes_per_step"] == gp["streamed_bytes_planned"] > 0
     assert ph["offload_d2h_bytes"] == 0 and ph["params_on_masters_after_offload"]
     assert ph["h2d_bytes_per_onload"] == ph["module_bytes"]
+    pk = r["results"]["ledger"]["group_prefetch_packed"]
+    for mode in ("as_stored", "packed"):
+        assert pk[mode]["bit_exact"] and pk[mode]["h2d_bytes_per_step"] == pk[mode]["planned"] > 0, pk
+    # the planner streams packed only when that moves fewer bytes; either way never more than as stored
+    assert pk["packed"]["h2d_bytes_per_step"] <= pk["as_stored"]["h2d_bytes_per_step"]
+    assert pk["packed"]["packed_active"] == (pk["wire_ratio"] < 1)
     assert "quantize" in benchmark.format_text(r)
 
 
@@ -275,3 +281,16 @@ def test_split_plan_dry_run_reproduces_the_h200_layout_and_the_leftover_it_spend
     def device(line):
         return float(line.split("device ")[1].split(" GiB")[0])
     assert streamed(fill) < streamed(cap) - 0.5 and device(fill) <= 11.07, proc.stdout
+
+
+def test_split_plan_dry_run_plans_packed_bf16_within_the_same_budget():
+    """With a Gaussian-like escape rate the FLUX 8 GiB weights budget plans the packed stream: staging buffer
+    included it fits the budget and moves about three quarters of the bytes the plan as stored moves."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "split_plan_dry.py"), "--budget", "7586689420",
+                           "--escape-rate", "0.0021"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("packed bf16"))
+    assert "the planner picks packed" in line, line
+    device = float(line.split("device ")[1].split(" GiB")[0])
+    ratio = float(line.rsplit("(", 1)[1].split("x)")[0])
+    assert device <= 7586689420 / 1024 ** 3 and 0.74 < ratio < 0.78, line
