@@ -425,9 +425,11 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                          f"copy vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
                          + ("the copy hides behind compute" if s.hides_transfer else "the copy cannot fully hide"))
         if not s.hides_transfer:
-            dit_notes.append("copy-bound streaming: ComfyUI's own lowvram offload was measured 14% faster than "
-                             "GroupPrefetch for a FLUX-shaped DiT at 12 GiB on an H200 (bench/results); "
-                             "GroupPrefetch wins where the copy hides (video DiTs)")
+            dit_notes.append("copy-bound streaming: the step is the bus, for GroupPrefetch and ComfyUI's lowvram "
+                             "alike (GroupPrefetch measured 0.93-0.97x ComfyUI's time for a FLUX-shaped DiT at "
+                             "8-12 GiB on an H200, bench/results/2026-11-30-h200-c); fewer bytes are the lever: "
+                             "fp8 weights (half, lossy) or GroupPrefetch's packed_bf16 (about 0.76x, bit-identical; "
+                             "not yet timed on a GPU)")
     if spec.experts > 1:
         dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
     if machine.comfyui.get("dynamic_vram"):
