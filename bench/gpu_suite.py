@@ -1408,8 +1408,9 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
                 qstate.clear()
             free_device_memory(dev)
 
+    extra: list[tuple[str, str, int, Callable[[dict], None]]] = []
     for label, budget in dit_budgets(suite, spec):
-        def prefetch(r: dict, budget=budget, levers=levers, packed: bool = False) -> None:
+        def prefetch(r: dict, budget=budget, levers=levers, packed: bool = False, label=label) -> None:
             if levers.reason:
                 raise Skip(levers.reason)
             pf_warmup = int(getattr(levers.mod, "CALIBRATION_FORWARD", 0)) + 2
@@ -1525,11 +1526,15 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         case("levers_prefetch", label, budget, prefetch)
         case("comfyui_lowvram", label, budget, comfy)
         case("resident", label, budget, resident)
-        # the extra levers after the main comparison, so a tight deadline drops these first
         if not suite.args.no_packed_stream:
-            case("levers_prefetch_packed", label, budget, lambda r, budget=budget: prefetch(r, budget, levers, True))
+            extra.append(("levers_prefetch_packed", label, budget,
+                          lambda r, budget=budget, fn=prefetch: fn(r, budget, levers, True)))
         if levers_fp8 is not None:
-            case("levers_prefetch_fp8", label, budget, lambda r, budget=budget: prefetch(r, budget, levers_fp8))
+            extra.append(("levers_prefetch_fp8", label, budget,
+                          lambda r, budget=budget, fn=prefetch: fn(r, budget, levers_fp8)))
+    # the extra levers after the main comparison at every budget (packed first), so a tight deadline drops these
+    for engine, label, budget, fn in sorted(extra, key=lambda e: e[0] != "levers_prefetch_packed"):
+        case(engine, label, budget, fn)
     if levers_fp8 is not None:
         levers_fp8.close()
         qstate.clear()
