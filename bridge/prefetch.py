@@ -159,6 +159,8 @@ class _Session:
         other = total - sum(sizes)
         self.budget = self._budget(noise)
         cfg = state.request.config
+        if cfg.packed and not packing_supported(patcher.load_device)[0]:
+            cfg = replace(cfg, packed=False)     # no staging buffer to budget: weights will stream as stored
         self.k = _resident_blocks(sizes, other, self.budget, cfg)
         self.streamed = self.layout.blocks[self.k:]
         self.streamed_bytes = sum(sizes[self.k:])
@@ -318,8 +320,10 @@ class _Session:
         before = _PATCHED.get(self.root, set())
         _PATCHED[self.root] = set(patched)
         if cached is not None and cached[0] == ids:
-            # weights patched now, or last run (ComfyUI may have restored those in place), are re-staged
-            cached[1].refresh(transport, force=self._entries(cached[1], before | patched))
+            # weights patched now but not last run, or last run but not now (ComfyUI may have patched or restored
+            # them in place, which no pointer shows) are re-packed; a patch kept across runs is left alone (a new
+            # strength rewrites the weight, which the store's pointer check or sampled fingerprint catches)
+            cached[1].refresh(transport, force=self._entries(cached[1], before ^ patched))
             return cached[1]
         if cached is not None:
             cached[1].restore(transport)

@@ -465,3 +465,56 @@ def test_cuda_packed_streaming_bit_identical(split):
     finally:
         h.remove()
     assert all(p.device.type == "cpu" for p in m.parameters())
+
+
+@pytest.mark.parametrize("span", [1, 2, 255, 256, 257, 2 ** 24 + 4, 3072 * 12288])
+def test_fingerprint_samples_stay_inside_the_tensor(span):
+    """float32 linspace rounded the last index of a 3072 x 12288 weight one past its end (an IndexError when it
+    ended the arena); the integer spacing keeps every sample inside, first and last element included."""
+    from comfyui_levers.core.residency.prefetch import sample_index
+
+    idx = sample_index(1000, span)
+    assert idx[0] == 1000 and idx[-1] == 1000 + span - 1 and len(idx) == min(span, 256)
+    assert torch.all(idx[1:] > idx[:-1])
+
+
+def test_eager_unpack_in_pieces_is_bit_exact(monkeypatch):
+    monkeypatch.setattr(P, "_DEVICE_CHUNK", 1000)            # several pieces, the last one short and odd
+    x = torch.cat([_layer_like(2000), torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)])
+    pk = P.pack(x)
+    lo, hi = 6, x.numel() - 1
+    i0, i1 = pk.escapes(lo, hi)
+    out = torch.empty(hi - lo, dtype=torch.bfloat16)
+    P.unpack_eager(pk.sm[lo:hi], pk.nib[lo // 2:(hi + 1) // 2], pk.table, pk.esc_pos[i0:i1], pk.esc_val[i0:i1], lo, out)
+    assert _same_bits(out, x[lo:hi])
+
+
+def test_every_build_waits_for_compute_before_its_first_copy():
+    """Slots, staging buffers, the exponent table and the resident buffer are fresh allocations from the
+    compute stream's pool: the copy stream waits for compute before it writes any of them."""
+    m = _bf16_wan()
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, _tight_budget(m, 2), packed=True), tr, bandwidth=0)
+    try:
+        assert h.plan.packed
+        first = next(i for i, op in enumerate(tr.ops) if op.kind == "h2d" and op.tag in ("packed-table", "resident"))
+        assert any(op.kind == "wait_compute" and op.tag == "build" for op in tr.ops[:first])
+    finally:
+        h.remove()
+
+
+def test_a_packed_store_streaming_as_stored_pins_its_arena(monkeypatch):
+    from comfyui_levers.core.residency.transport import PinResult
+
+    m = make_wan(mixed=True, n=4)
+    tr = _rec()
+    monkeypatch.setattr(tr, "pin", lambda t: PinResult(True, "test pin", t.numel() * t.element_size()))
+    monkeypatch.setattr(tr, "unpin", lambda t: None)
+    store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=True)
+    store._needs_pinning = True                   # as on a GPU: the packed store left its bf16 arena unpinned
+    assert not store.arena_pinned(torch.bfloat16) and store.arena_pinned(torch.float32)
+    store.pin_arenas(tr)
+    assert store.arena_pinned(torch.bfloat16)
+    assert store.pinned_bytes == sum(a.numel() * a.element_size() for a in store.arenas.values()) + \
+        sum(t.numel() * t.element_size() for t in store._pinned_planes)
+    store.restore(tr)

@@ -34,7 +34,8 @@ PACKABLE = (torch.bfloat16,)
 ESCAPE = 15
 CODES = 15                 # table entries (code 15 is the escape)
 ESC_BYTES = 8 + 2          # one escape on the wire: int64 position + int16 bits
-_CHUNK = 1 << 24           # values per encode step (bounds the temporaries to ~200 MB)
+_CHUNK = 1 << 24           # values per encode step on the host (temporaries ~100 MB)
+_DEVICE_CHUNK = 1 << 22    # on a GPU (~25 MB of temporaries: it packs while the GPU holds the model)
 # Device staging buffer: at most this many values (96 MiB + escapes); wider ranges unpack in pieces.
 # Room for one escape per 128 values (layer-like weights need 1 per 200-400); more escapes only
 # mean more pieces. Known before packing, so planners can budget it exactly.
@@ -117,8 +118,9 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def _chunks(arena: torch.Tensor, lo: int, hi: int, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:
     """(a, b, bits of arena[a:b] as int16 on ``device``) in chunks; on a GPU the arithmetic runs
     there (the host only copies), which packs a FLUX-sized arena in seconds instead of minutes."""
-    for a in range(lo, hi, _CHUNK):
-        b = min(hi, a + _CHUNK)
+    step = _DEVICE_CHUNK if device.type == "cuda" else _CHUNK
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
         yield a, b, arena[a:b].view(torch.int16).to(device)
 
 
@@ -127,7 +129,7 @@ def choose_table(arena: torch.Tensor, device: torch.device | str = "cpu") -> tor
     device = torch.device(device)
     counts = torch.zeros(256, dtype=torch.int64, device=device)
     for _, _, raw in _chunks(arena, 0, arena.numel(), device):
-        counts += torch.bincount((raw.to(torch.int32) >> 7) & 0xFF, minlength=256)
+        counts += torch.bincount(((raw >> 7) & 0xFF).int(), minlength=256)
     top = torch.argsort(counts.cpu(), descending=True, stable=True)[:CODES]
     table = torch.zeros(16, dtype=torch.int32)
     table[:CODES] = top.sort().values.to(torch.int32)   # sorted: the same arena gives the same table
@@ -141,9 +143,9 @@ def _encode_range(arena: torch.Tensor, lut: torch.Tensor, lo: int, hi: int, sm: 
     lut = lut.to(device)
     pos, val = [], []
     for a, b, raw in _chunks(arena, lo, hi, device):
-        u = raw.to(torch.int32) & 0xFFFF
-        sm[a:b].copy_((((u >> 8) & 0x80) | (u & 0x7F)).to(torch.uint8))
-        code = lut[(u >> 7) & 0xFF]                      # uint8 [b - a]
+        # int16 arithmetic (>> is arithmetic, so mask after shifting): sign bit 15 -> 7, mantissa bits 0-6
+        sm[a:b].copy_((((raw >> 8) & 0x80) | (raw & 0x7F)).to(torch.uint8))
+        code = lut[((raw >> 7) & 0xFF).int()]            # uint8 [b - a]
         esc = (code == ESCAPE).nonzero().flatten()
         pos.append((esc + a).cpu())
         val.append(raw[esc].cpu())
@@ -203,11 +205,13 @@ def unpack_eager(sm: torch.Tensor, nib: torch.Tensor, table: torch.Tensor, esc_p
     """Reference decode into ``out`` (bf16 [n]); ``esc_pos`` are arena positions, ``base`` the
     arena position of out[0]."""
     n = out.numel()
-    code = torch.stack((nib & 15, nib >> 4), dim=1).reshape(-1)[:n]
-    s = sm[:n].to(torch.int32)
-    u = ((s & 0x80) << 8) | (table[code.long()] << 7) | (s & 0x7F)          # [n] in [0, 65535]
     o16 = out.view(torch.int16)
-    o16.copy_(torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16))    # the same bits, signed
+    for a in range(0, n, _DEVICE_CHUNK):     # pieces of 4 M values: ~80 MB of temporaries on a GPU fallback
+        b = min(n, a + _DEVICE_CHUNK)
+        code = torch.stack((nib[a // 2:(b + 1) // 2] & 15, nib[a // 2:(b + 1) // 2] >> 4), dim=1).reshape(-1)[:b - a]
+        s = sm[a:b].to(torch.int32)
+        u = ((s & 0x80) << 8) | (table[code.long()] << 7) | (s & 0x7F)      # [b - a] in [0, 65535]
+        o16[a:b].copy_(torch.where(u >= 0x8000, u - 0x10000, u).to(torch.int16))   # the same bits, signed
     if esc_pos.numel():
         o16[esc_pos - base] = esc_val
 

@@ -309,8 +309,7 @@ class HostStore:
 
     def _sample(self, e: _Entry) -> torch.Tensor:
         """Up to 256 evenly spaced values of ``e``'s arena range, as bits (a cheap fingerprint)."""
-        idx = torch.linspace(0, e.span - 1, steps=min(e.span, 256)).long() + e.offset
-        return self.arenas[e.dtype].view(torch.int16)[idx].clone()
+        return self.arenas[e.dtype].view(torch.int16)[sample_index(e.offset, e.span)].clone()
 
     def _fingerprint_holds(self, e: _Entry) -> bool:
         return torch.equal(self._fingerprints[id(e)], self._sample(e))
@@ -413,6 +412,13 @@ class HostStore:
         self.arenas.clear()
         self._planes.clear()
 
+    def pin_arenas(self, transport: Transport) -> None:
+        """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored."""
+        for dtype, arena in self.arenas.items():
+            if self._needs_pinning and not self.arena_pinned(dtype) and arena.numel():
+                if transport.pin(arena).pinned:
+                    self._pinned_arenas.append(arena)
+
     def unpin(self, transport: Transport) -> None:
         """Unpin every arena and packed plane this store pinned (their values stay)."""
         for t in self._pinned_arenas + self._pinned_planes:
@@ -512,6 +518,13 @@ class HostStore:
     @property
     def pinned_bytes(self) -> int:
         return sum(tensor_nbytes(t) for t in self._pinned_arenas + self._pinned_planes)
+
+
+def sample_index(offset: int, span: int, k: int = 256) -> torch.Tensor:
+    """``min(span, k)`` evenly spaced element indices in [offset, offset + span), first and last included.
+    Integer arithmetic: float32 ``linspace`` rounds ``span - 1`` up past the end once span > 2^24."""
+    k = min(span, k)
+    return offset + torch.arange(k, dtype=torch.int64) * (span - 1) // max(1, k - 1)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -1053,6 +1066,11 @@ class PrefetchHandle:
                 self.group_of[b] = gi
         self.stream_order = [grp.index for grp in self.groups if not grp.resident]
         with torch.no_grad(), torch.inference_mode(self.store.inference):
+            # why: the buffers below are fresh allocations from the compute stream's pool, whose memory
+            # work queued there may still use; the copy stream must not write into them before it ends
+            self.transport.wait_compute(tag="build")
+            if self.store.packed and not plan.packed:
+                self.store.pin_arenas(self.transport)    # streaming as stored from a packed store: pin its arena
             self._allocate_staging()
             self._place_resident(kept)
             if not plan.split and not self.config.manage_resident and plan.resident_groups:
@@ -1496,8 +1514,10 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
     store.use_packed = config.packed     # a store packed for another install streams as stored here
     handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget)
     if config.packed and not store.packed:
-        handle.notes.append("packed streaming off: " + (pack_why if not pack_ok else
-                                                        "no bf16 weights in the streamed blocks") + ".")
+        why = (pack_why if not pack_ok else
+               "the store given was built without packing (HostStore(..., packed=True))"
+               if any(d in PACKABLE for d in store.arenas) else "no bf16 weights in the streamed blocks")
+        handle.notes.append(f"packed streaming off: {why}.")
     try:
         handle._install()
     except BaseException:
