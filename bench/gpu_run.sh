@@ -9,7 +9,7 @@
 #   .comfy/pollockjj  a ComfyUI 0.8-era checkout: the legacy lowvram baseline and PhaseOffload inside ComfyUI
 #   .comfy/yzkee      a ComfyUI 0.15+ checkout: the DynamicVRAM baseline
 #   .comfy/site       import-only stand-ins ComfyUI needs on a bare machine
-# The CUDA tests get at most 150 s; the suite keeps to its own --time-budget (400 s by default).
+# The CUDA tests get at most 150 s; the suite keeps to its own --time-budget (450 s by default).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
