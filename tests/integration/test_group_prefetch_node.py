@@ -125,6 +125,22 @@ def test_packed_bf16_streams_fewer_bytes_bit_identical_with_lora(comfy_env, tiny
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)      # patch undone: re-packed back
 
 
+def test_packed_and_plain_clones_of_one_model_alternate_bit_identical(comfy_env, tiny_wan, monkeypatch):
+    """Two GroupPrefetch clones of the same bf16 model, one packed and one not, sampled in turn: each switch
+    rebuilds the host store (packed stores are cached apart) and every run matches the unstreamed model."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "unet_dtype", lambda *a, **k: torch.bfloat16)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    packed, _, pstate = _prefetch(comfy_env, model, packed_bf16=True)
+    plain, _, state = _prefetch(comfy_env, model)
+    for clone, st, is_packed in ((packed, pstate, True), (plain, state, False), (packed, pstate, True)):
+        assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+        assert st.last_stats["packed"] == is_packed
+        assert st.last_stats["last_forward"]["h2d_bytes"] == st.last_stats["streamed_bytes_per_forward"]
+
+
 def test_after_quantize_dit(comfy_env, tiny_wan):
     quant = _node(comfy_env, "LeversQuantizeDiT")
     if quant is None:
