@@ -187,6 +187,23 @@ def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: W
                      compute_seconds_per_block=per_block_compute, hides_transfer=t_block <= per_block_compute)
 
 
+PACKED_WIRE_RATIO = 0.765    # packed bf16 bytes / bf16 bytes planned at the H200 budgets (split_plan_dry.py)
+
+
+def packed_note(s: Streaming, machine: Machine) -> str:
+    """What GroupPrefetch's packed_bf16 would change for a copy-bound bf16 stream (computed, not timed)."""
+    t = s.transfer_seconds_per_block * PACKED_WIRE_RATIO
+    line = (f"packed_bf16 on GroupPrefetch: about {s.streamed_bytes_per_step * PACKED_WIRE_RATIO / GiB:.1f} GiB per "
+            f"step instead of {s.streamed_bytes_per_step / GiB:.1f}, {t * 1e3:.1f} ms copy per block vs "
+            f"{s.compute_seconds_per_block * 1e3:.1f} ms compute ("
+            + ("the copy would hide" if t <= s.compute_seconds_per_block else "still copy-bound, by less")
+            + "); bit-identical output, +0.77x the streamed bytes in host RAM; computed, not yet timed on a GPU")
+    cap = machine.libraries.get("triton")
+    if cap is not None and not cap.ok:
+        line += f"; unavailable here: {cap.reason}"
+    return line
+
+
 def fp8_matmuls(machine: Machine) -> bool:
     """Whether fp8 weights run as fp8 matmuls: an sm_89+ GPU and, inside ComfyUI, its quantized-tensor
     kernels (comfy-kitchen) — otherwise fp8 weights are dequantized per layer (slower than bf16)."""
@@ -430,6 +447,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                              "8-12 GiB on an H200, bench/results/2026-11-30-h200-c); fewer bytes are the lever: "
                              "fp8 weights (half, lossy) or GroupPrefetch's packed_bf16 (about 0.76x, bit-identical; "
                              "not yet timed on a GPU)")
+            if c.dit.precision is Precision.BF16:
+                dit_notes.append(packed_note(s, machine))
     if spec.experts > 1:
         dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
     if machine.comfyui.get("dynamic_vram"):

@@ -282,9 +282,18 @@ def comfy_kitchen_capability() -> Capability:
     return Capability(True, "comfy-kitchen present")
 
 
+@functools.lru_cache(maxsize=1)
+def triton_capability() -> Capability:
+    if not _module_present("triton"):
+        return Capability(False, "Triton is not installed: GroupPrefetch's packed_bf16 (and the fused fp8 activation "
+                                 "kernel) need it on CUDA")
+    return Capability(True, "Triton present (packed-bf16 unpack and fp8 activation kernels)")
+
+
 def libraries() -> dict[str, Capability]:
     return {"bitsandbytes": bitsandbytes_capability(), "torchao": torchao_capability(),
-            "fp8_storage": fp8_storage_capability(), "comfy_kitchen": comfy_kitchen_capability()}
+            "fp8_storage": fp8_storage_capability(), "comfy_kitchen": comfy_kitchen_capability(),
+            "triton": triton_capability()}
 
 
 @functools.lru_cache(maxsize=1)

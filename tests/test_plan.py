@@ -114,6 +114,18 @@ def test_image_streaming_on_a_fast_card_cannot_hide():
     assert s is not None and not s.hides_transfer
     assert s.transfer_seconds_per_block > 3 * s.compute_seconds_per_block
     assert p.predicted_extra_seconds > 5
+    # the lossless lever for copy-bound bf16 streaming, with its computed bytes and what it needs
+    note = next(n for n in p.diffusion_model.notes if n.startswith("packed_bf16 on GroupPrefetch"))
+    assert f"instead of {s.streamed_bytes_per_step / 1024 ** 3:.1f}" in note and "not yet timed" in note
+    assert "still copy-bound" in note                    # 0.765 x 16 ms is still far above 3 ms
+    from dataclasses import replace
+
+    from comfyui_levers.core.probe import Capability
+    m = machine(16, gpu_name="NVIDIA H100 80GB HBM3", capability=(9, 0))
+    m = replace(m, libraries={**m.libraries, "triton": Capability(False, "Triton is not installed")})
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28), m, goal="quality")
+    assert any("packed_bf16" in n and "unavailable here: Triton is not installed" in n
+               for n in p.diffusion_model.notes)
 
 
 def test_wan_720p_on_12gb_does_not_fit_and_says_what_to_change():
