@@ -891,6 +891,7 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
     if use_websocket:
         try:
             ws = WebSocket.connect(client.ws_url(client_id), timeout=client.timeout)
+            _await_registration(ws)
         except (OSError, WebSocketClosed):
             ws = None  # fall back to polling /history
     try:
@@ -918,6 +919,17 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
     if out_dir is not None:
         result.files = download_outputs(client, result.outputs, out_dir)
     return result
+
+
+def _await_registration(ws: "WebSocket", wait_s: float = 5.0) -> None:
+    """Wait (bounded) for the server's first message. ComfyUI answers the handshake before it files the socket
+    under our client id and sends ``status`` right after filing it; a prompt submitted in between runs with
+    its progress messages sent to nobody. Nothing is lost by waiting: no prompt of ours exists yet."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        message = ws.recv(timeout=max(0.01, end - time.monotonic()))
+        if message is None or message[0] == 0x1:
+            return
 
 
 def _final_history(client: ComfyClient, prompt_id: str, wait_s: float = 30.0) -> dict:

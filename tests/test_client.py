@@ -15,6 +15,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -338,6 +339,7 @@ class FakeComfy:
         self.interrupts: list[dict] = []
         self.clients: dict[str, queue.Queue] = {}
         self.ws_connected = threading.Event()
+        self.register_delay = 0.0     # seconds between the handshake and filing the socket (ComfyUI has a gap too)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -452,6 +454,7 @@ class FakeComfy:
                 self.send_header("Sec-WebSocket-Accept", accept)
                 self.end_headers()
                 self.wfile.flush()
+                time.sleep(fake.register_delay)
                 q = fake.clients.setdefault(client_id, queue.Queue())
                 q.put(("text", json.dumps({"type": "status", "data": {"sid": client_id}}).encode()))
                 fake.ws_connected.set()
@@ -507,6 +510,18 @@ def api_file(tmp_path):
     path = tmp_path / "wf_api.json"
     path.write_text(json.dumps(api))
     return path
+
+
+def test_progress_is_not_lost_when_the_server_files_the_socket_after_the_handshake(api_file, tmp_path, capsys):
+    """ComfyUI answers the websocket handshake, then files the socket under the client id and sends ``status``.
+    A prompt submitted in that gap had its progress sent to nobody (seen once on a loaded CI box); the client
+    now waits for that first message before it submits."""
+    with FakeComfy(MINI_OI) as fake:
+        fake.register_delay = 0.5
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--out", str(tmp_path / "out")])
+    assert rc == C.EXIT_OK
+    err = capsys.readouterr().err
+    assert "#3 Sampler" in err and "4/4 100%" in err
 
 
 def test_levers_run_success_streams_progress_downloads_outputs_and_prints_reports(api_file, tmp_path, capsys):
