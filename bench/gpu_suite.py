@@ -1055,6 +1055,7 @@ def sec_bandwidth(suite: Suite, sec: dict, deadline: float) -> None:
     if dev.type != "cuda":
         res["h2d_pinned_in_place"] = res["h2d_pinned_copy"] = res["d2h_pinned"] = {
             "skipped": "no CUDA device: pinning needs a GPU; the pageable number above is a CPU memcpy"}
+        res["packed_unpack"] = _unpack_probe(suite, dev, n)     # the eager path, for the wiring
         return
     from comfyui_levers.core.residency.transport import CudaTransport, pin_in_place, unpin_in_place
     t0 = time.perf_counter()
@@ -1090,6 +1091,12 @@ def sec_bandwidth(suite: Suite, sec: dict, deadline: float) -> None:
         del pinned_copy
     except RuntimeError as exc:
         res["h2d_pinned_copy"] = {"skipped": f"pin_memory() failed: {short_exc(exc, 200)}"}
+    try:
+        res["packed_unpack"] = _unpack_probe(suite, dev, n)
+        log(f"  packed-bf16 unpack: {res['packed_unpack'].get('unpack_gbps_written')} GB/s written, "
+            f"{res['packed_unpack'].get('unpack_vs_copy')} x the time its packed bytes take over the bus")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic; the copies above are the section's numbers
+        res["packed_unpack"] = {"failed": short_exc(exc)}
     probe = suite.pieces.get("probe")
     if probe is not None and hasattr(probe, "measure_h2d_bandwidth"):
         try:
@@ -1098,6 +1105,42 @@ def sec_bandwidth(suite: Suite, sec: dict, deadline: float) -> None:
         except Exception as exc:  # noqa: BLE001
             res["levers_probe"] = {"failed": short_exc(exc)}
     del dst, src
+
+
+def _unpack_probe(suite: Suite, dev: torch.device, n: int) -> dict[str, Any]:
+    """Unpack ``n`` packed bf16 values (Gaussian, sigma 0.02) on the device, timed: what the packed stream adds
+    to each copy on the copy stream (Triton on CUDA, eager torch elsewhere), and a bit-exactness check."""
+    packed = suite.pieces.get("residency.packed")
+    if packed is None:
+        return {"skipped": f"core/residency/packed.py unavailable ({suite.pieces.status.get('residency.packed')})"}
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, generator=g) * 0.02).bfloat16()
+    t0 = time.perf_counter()
+    pk = packed.pack(x, device=dev if dev.type == "cuda" else "cpu")
+    pack_s = time.perf_counter() - t0
+    planes = [t.to(dev) for t in (pk.sm, pk.nib, pk.table, pk.esc_pos, pk.esc_val)]
+    out = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    kernel = dev.type == "cuda" and packed.triton_unpack_available(dev)[0]
+    run = (lambda: packed._launch(*planes, 0, out)) if kernel else (lambda: packed.unpack(*planes, 0, out))
+    run()
+    sync(dev)
+    reps = 5
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run()
+    sync(dev)
+    s = (time.perf_counter() - t0) / reps
+    bw = None
+    r = suite.results.get("sections", {}).get("bandwidth", {}).get("results", {})
+    for k in ("h2d_pinned_in_place", "h2d_pageable"):
+        if r.get(k, {}).get("gbps_best"):
+            bw = r[k]["gbps_best"]
+            break
+    return {"values": n, "path": "triton" if kernel else "eager", "pack_s": rnd(pack_s, 3),
+            "wire_ratio": rnd(pk.nbytes / (2 * n), 4), "escapes": int(pk.esc_pos.numel()),
+            "unpack_s": rnd(s, 6), "unpack_gbps_written": rnd(2 * n / s / 1e9, 1),
+            "unpack_vs_copy": rnd(s / (pk.nbytes / (bw * 1e9)), 4) if bw else None,
+            "bit_exact": bool(torch.equal(out.view(torch.int16).cpu(), x.view(torch.int16)))}
 
 
 def pinned_gbps(results: dict) -> float | None:
@@ -2848,7 +2891,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(1)   # tiny ops: OpenMP fan-out only adds spin-waits on a busy CPU
     suite.results["dtype"] = str(DTYPE["value"])
     if suite.device.type == "cuda" or args.smoke:
-        for piece in ("residency.transport", "residency.blocks", "residency.prefetch", "residency.phase", "quant",
+        for piece in ("residency.transport", "residency.blocks", "residency.prefetch", "residency.packed", "residency.phase", "quant",
                       "quant.fp8", "tiling", "plan", "presets", "probe", "benchmark"):
             suite.pieces.get(piece)    # import every engine piece now (and record which are missing)
     _LOG_FILE.append(open(suite.out / "suite.log", "a"))
