@@ -518,3 +518,19 @@ def test_a_packed_store_streaming_as_stored_pins_its_arena(monkeypatch):
     assert store.pinned_bytes == sum(a.numel() * a.element_size() for a in store.arenas.values()) + \
         sum(t.numel() * t.element_size() for t in store._pinned_planes)
     store.restore(tr)
+
+
+def test_self_check_refuses_a_kernel_that_decodes_wrong():
+    """The first use of the Triton kernel on a device decodes every bf16 bit pattern and compares; here the
+    check runs on the CPU with stand-in launchers: the reference passes, a wrong nibble order is refused."""
+    assert P.self_check(torch.device("cpu"), launch=P.unpack_eager) == ""
+
+    def swapped_nibbles(sm, nib, table, esc_pos, esc_val, base, out):
+        P.unpack_eager(sm, (nib >> 4) | (nib << 4), table, esc_pos, esc_val, base, out)
+
+    assert "values wrong" in P.self_check(torch.device("cpu"), launch=swapped_nibbles)
+
+    def raises(*args):
+        raise RuntimeError("ptxas failed")
+
+    assert "ptxas failed" in P.self_check(torch.device("cpu"), launch=raises)

@@ -249,14 +249,51 @@ def _kernels():
 
 
 def triton_unpack_available(device: torch.device) -> tuple[bool, str]:
-    """Whether the one-pass kernel can decode on ``device`` (and why not)."""
-    if torch.device(device).type != "cuda":
+    """Whether the one-pass kernel can decode on ``device`` (and why not). The first call per device
+    runs the kernel once on every bf16 bit pattern and compares it with the eager reference: a kernel
+    that builds but decodes wrong is refused before any weight goes through it."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return False, "not a CUDA device"
     if _BROKEN:
         return False, f"the Triton decode kernel failed: {_BROKEN[0]}"
     if _kernels() is None:
         return False, "Triton is not installed"
-    return True, "Triton one-pass decode"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _VERIFIED:
+        problem = self_check(device)
+        if problem:
+            _BROKEN.append(problem)
+            log.warning("levers: packed-bf16 Triton decode refused: %s", problem)
+            return False, f"the Triton decode kernel failed: {problem}"
+        _VERIFIED.add(device)
+    return True, "Triton one-pass decode (self-checked on this device)"
+
+
+_VERIFIED: set[torch.device] = set()
+
+
+def self_check(device: torch.device, launch=None) -> str:
+    """"" when ``launch`` (default: the Triton kernel) decodes every bf16 bit pattern, at an odd length and
+    a nonzero base, exactly as ``unpack_eager`` does on ``device``; else what went wrong. One-time (syncs)."""
+    launch = launch or _launch
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([(torch.randn(4097, generator=g) * 0.02).bfloat16(), every])
+    pk = pack(x)
+    lo, hi = 2, x.numel()
+    i0, i1 = pk.escapes(lo, hi)
+    planes = [t.to(device) for t in (pk.sm[lo:hi], pk.nib[lo // 2:(hi + 1) // 2], pk.table, pk.esc_pos[i0:i1],
+                                     pk.esc_val[i0:i1])]
+    out = torch.empty(hi - lo, dtype=torch.bfloat16, device=device)
+    try:
+        launch(*planes, lo, out)
+        got = out.view(torch.int16).cpu()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel here
+        return f"{type(exc).__name__}: {exc}"
+    bad = int((got != x[lo:hi].view(torch.int16)).sum())
+    return "" if bad == 0 else f"self-check decoded {bad} of {hi - lo} values wrong on {device}"
 
 
 def packing_supported(device: torch.device) -> tuple[bool, str]:
