@@ -1221,9 +1221,8 @@ class LeversPrefetch:
             ok, why = self.mod.packing_supported(self.transport.device)
             if not ok:
                 raise Skip(f"packed streaming unavailable: {why}")
-            if not self.store.packed and not getattr(self.store, "_planes", None):
-                self.store.pack_arenas(self.transport)
-                self.pack_s = self.store.pack_seconds
+            self.store.pack_arenas(self.transport)          # once per store; later calls return at once
+            self.pack_s = self.store.pack_seconds
         if hasattr(self.store, "use_packed"):
             self.store.use_packed = packed
         cfg = self.mod.PrefetchConfig(budget_bytes=budget, **({"packed": True} if packed else {}))
@@ -1477,7 +1476,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             try:
                 with vram_budget(dev, budget), torch.inference_mode():
                     t0 = time.perf_counter()
-                    handle = levers.apply(weights_budget, packed) if packed else levers.apply(weights_budget)
+                    handle = levers.apply(weights_budget, packed)
                     sync(dev)
                     setup = time.perf_counter() - t0
                     # warm-ups until steady state: GroupPrefetch times one forward (CALIBRATION_FORWARD),
@@ -2448,14 +2447,20 @@ def build_summary(results: dict) -> dict[str, Any]:
                                            best=rnd(best, 3), both_resident=resident_ties,
                                            definition="worst case of Levers s/step / ComfyUI s/step at the same budget, "
                                                       "over budgets where weights stream (both-resident ties listed apart)")
+    def vs_comfy(engine: str, keep=lambda c: True) -> tuple[dict[str, float], list[dict]]:
+        """Per (model, budget) where weights stream: this engine's s/step / ComfyUI's (set as ``vs_comfy``)."""
+        by_case, used = {}, []
+        for c in ok:
+            if c["engine"] == engine and keep(c) and (c["model"], c["budget"]) in comfy:
+                base = comfy[(c["model"], c["budget"])]
+                if (base.get("h2d_bytes_per_step") or 0) or (c.get("h2d_bytes_per_step") or 0):
+                    c["vs_comfy"] = rnd(c["s_per_step"] / base["s_per_step"], 3)
+                    by_case[f"{c['model']}@{c['budget']}"] = c["vs_comfy"]
+                    used.append(c)
+        return by_case, used
+
     # the same, GroupPrefetch streaming QuantizeDiT's fp8 bytes, against ComfyUI streaming the bf16 model
-    fp8_by_case = {}
-    for c in ok:
-        if c["engine"] == "levers_prefetch_fp8" and (c["model"], c["budget"]) in comfy:
-            base = comfy[(c["model"], c["budget"])]
-            if (base.get("h2d_bytes_per_step") or 0) or (c.get("h2d_bytes_per_step") or 0):
-                c["vs_comfy"] = rnd(c["s_per_step"] / base["s_per_step"], 3)
-                fp8_by_case[f"{c['model']}@{c['budget']}"] = c["vs_comfy"]
+    fp8_by_case, _ = vs_comfy("levers_prefetch_fp8")
     fp8_worst = max(fp8_by_case.values(), default=None)
     summary["prefetch_fp8_vs_comfy"] = _metric(
         fp8_worst, comfy_reason or "no fp8 streamed case with a ComfyUI case at the same budget",
@@ -2464,14 +2469,8 @@ def build_summary(results: dict) -> dict[str, Any]:
                    "lowvram streaming the bf16 model, s/step at the same budget; output differs by fp8 rounding "
                    "(bit_exact_vs_resident_fp8 checks the streaming itself)")
     # the same, GroupPrefetch streaming the bf16 model losslessly packed (~0.76x the bytes), output bit-identical
-    packed_by_case, packed_exact = {}, []
-    for c in ok:
-        if c["engine"] == "levers_prefetch_packed" and c.get("packed_active") and (c["model"], c["budget"]) in comfy:
-            base = comfy[(c["model"], c["budget"])]
-            if (base.get("h2d_bytes_per_step") or 0) or (c.get("h2d_bytes_per_step") or 0):
-                c["vs_comfy"] = rnd(c["s_per_step"] / base["s_per_step"], 3)
-                packed_by_case[f"{c['model']}@{c['budget']}"] = c["vs_comfy"]
-                packed_exact.append(bool(c.get("bit_exact")))
+    packed_by_case, used = vs_comfy("levers_prefetch_packed", lambda c: c.get("packed_active"))
+    packed_exact = [bool(c.get("bit_exact")) for c in used]
     packed_worst = max(packed_by_case.values(), default=None)
     summary["prefetch_packed_vs_comfy"] = _metric(
         packed_worst, comfy_reason or "no case streamed packed bytes with a ComfyUI case at the same budget (each "
@@ -2833,8 +2832,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prepin", action="store_true", help="do not pin the DiT host weights before the cases")
     p.add_argument("--no-fp8-dit", action="store_true", help="skip the whole-DiT fp8 step case")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="weight dtype of the DiT shapes (auto: bf16 on CUDA, fp32 on the CPU; --smoke --dtype bf16 "
-                        "checks the packed-bf16 wiring on a CPU)")
+                   help="weight and activation dtype of every section (auto: bf16 on CUDA, fp32 on the CPU; "
+                        "--smoke --dtype bf16 --sections dit checks the packed-bf16 wiring on a CPU, where the "
+                        "other sections run too slowly in bf16)")
     p.add_argument("--no-packed-stream", action="store_true",
                    help="skip GroupPrefetch streaming the bf16 weights losslessly packed (levers_prefetch_packed)")
     p.add_argument("--no-fp8-stream", action="store_true",

@@ -289,8 +289,6 @@ class _Session:
         p = self.patcher
         prefix = "diffusion_model."
         tails = self.tails
-        cached = _STORES.get(self.root)
-        arena_ptrs = {e.host_view.data_ptr() for e in cached[1].entries} if cached is not None else set()
         patched = set()
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
@@ -300,15 +298,10 @@ class _Session:
                 if key not in p.patches:
                     continue
                 patched.add(key)
-                if key in p.backup:
-                    continue
-                if param.data_ptr() in arena_ptrs:
-                    # why: ComfyUI's backup keeps this Parameter (or copies it) and the patched weight is
-                    # then staged into the arena view it points at, which would overwrite the backup's
-                    # values; the Parameter gets its own copy first, so undoing the patch restores them
-                    with torch.inference_mode(param.is_inference()):
-                        param.data = param.data.clone()
-                p.patch_weight_to_device(key, device_to=p.offload_device)
+                if key not in p.backup:
+                    # ComfyUI's backup may keep this Parameter, which points at our arena view; the store gives it
+                    # its own copy before it stages the patched weight there (HostStore.refresh)
+                    p.patch_weight_to_device(key, device_to=p.offload_device)
         return patched
 
     def _store(self, transport: Transport, patched: set[str]) -> HostStore:

@@ -46,7 +46,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_every_bf16_bit_pattern_round_trips():
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)   # NaNs, ±0, subnormals
+    every = P.bf16_patterns()   # NaNs, ±0, subnormals
     x = torch.cat([_layer_like(20_000), every, torch.tensor([1.0], dtype=torch.bfloat16)])      # odd length
     pk = P.pack(x)
     assert pk.n == x.numel() and pk.nib.numel() == (x.numel() + 1) // 2
@@ -103,8 +103,7 @@ def test_triton_kernel_under_the_interpreter_matches_the_reference():
     run_interpreted("""
         import torch
         from comfyui_levers.core.residency import packed as P
-        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        x = torch.cat([(torch.randn(5001) * 0.02).bfloat16(), every])
+        x = torch.cat([(torch.randn(5001) * 0.02).bfloat16(), P.bf16_patterns()])
         pk = P.pack(x)
         lo, hi = 4000, x.numel() - 3                  # a slice: base offset, odd length, escapes inside
         i0, i1 = pk.escapes(lo, hi)
@@ -121,7 +120,7 @@ def test_cuda_kernel_decodes_bit_exact():
     ok, why = P.triton_unpack_available(torch.device("cuda"))
     if not ok:
         pytest.skip(why)
-    x = torch.cat([_layer_like(), torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)])
+    x = torch.cat([_layer_like(), P.bf16_patterns()])
     pk = P.pack(x)
     dev = [t.cuda() for t in (pk.sm, pk.nib, pk.table, pk.esc_pos, pk.esc_val)]
     out = torch.empty(pk.n, dtype=torch.bfloat16, device="cuda")
@@ -154,6 +153,17 @@ def _reused_store(m, packed: bool = True):
     layout = find_blocks(m)
     store = HostStore(layout.blocks, tr, packed=packed)
     return tr, layout, store, PrefetchConfig(1, 1, 0, BIG, packed=packed, partial_blocks=False)
+
+
+def _streams_like(m, cfg, tr, store, layout, inputs, ref) -> None:
+    """Install on the reused store, run a warm-up and a steady forward, check the output, remove."""
+    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
+    try:
+        with torch.no_grad():
+            m(*inputs)
+            assert torch.equal(m(*inputs), ref)
+    finally:
+        h.remove()
 
 
 def _bf16_bytes_streamed(h) -> int:
@@ -336,23 +346,16 @@ def test_packed_store_refresh_repacks_changed_weights():
     m = make_wan(mixed=True, n=4)
     x, t = wan_inputs()
     tr, layout, store, cfg = _reused_store(m)
-    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
-    h.remove()
+    apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout).remove()
     w = m.blocks[1].q.weight                                   # a bf16 block (mixed: odd blocks)
     assert w.dtype == torch.bfloat16
     escapes = store.packed[torch.bfloat16].esc_pos.numel()
     with torch.no_grad():
         w.data = (torch.randn(w.shape) * 50).bfloat16()       # a new tensor with new exponents
         ref = m(x, t)
-    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
-    try:
-        assert store.restaged == 1
-        assert store.packed[torch.bfloat16].esc_pos.numel() > escapes
-        with torch.no_grad():
-            m(x, t)
-            assert torch.equal(m(x, t), ref)
-    finally:
-        h.remove()
+    _streams_like(m, cfg, tr, store, layout, (x, t), ref)
+    assert store.restaged == 1
+    assert store.packed[torch.bfloat16].esc_pos.numel() > escapes
     store.restore(tr)
     with torch.no_grad():
         assert torch.equal(m(x, t), ref)
@@ -396,20 +399,10 @@ def test_restaging_a_replaced_weight_leaves_the_old_tensor_its_values(packed):
     m.blocks[1].q.weight = torch.nn.Parameter(original * 3, requires_grad=False)     # the patched weight
     with torch.no_grad():
         patched_ref = m(x, t)
-    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
-    with torch.no_grad():
-        m(x, t)
-        assert torch.equal(m(x, t), patched_ref)
-    h.remove()
+    _streams_like(m, cfg, tr, store, layout, (x, t), patched_ref)
     assert torch.equal(backup, original)
     m.blocks[1].q.weight = backup                     # undo the patch, as ComfyUI's unpatch does
-    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
-    try:
-        with torch.no_grad():
-            m(x, t)
-            assert torch.equal(m(x, t), ref)
-    finally:
-        h.remove()
+    _streams_like(m, cfg, tr, store, layout, (x, t), ref)
     store.restore(tr)
 
 
@@ -425,14 +418,8 @@ def test_in_place_writes_into_the_arena_are_repacked():
     with torch.no_grad():
         w.data.copy_(w.data * 2 + 0.25)              # in place, into the arena view
         ref = m(x, t)
-    h = apply_group_prefetch(m, cfg, tr, bandwidth=0, store=store, layout=layout)
-    try:
-        assert store.restaged == 1
-        with torch.no_grad():
-            m(x, t)
-            assert torch.equal(m(x, t), ref)
-    finally:
-        h.remove()
+    _streams_like(m, cfg, tr, store, layout, (x, t), ref)
+    assert store.restaged == 1
     store.restore(tr)
 
 
@@ -480,7 +467,7 @@ def test_fingerprint_samples_stay_inside_the_tensor(span):
 
 def test_eager_unpack_in_pieces_is_bit_exact(monkeypatch):
     monkeypatch.setattr(P, "_DEVICE_CHUNK", 1000)            # several pieces, the last one short and odd
-    x = torch.cat([_layer_like(2000), torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)])
+    x = torch.cat([_layer_like(2000), P.bf16_patterns()])
     pk = P.pack(x)
     lo, hi = 6, x.numel() - 1
     i0, i1 = pk.escapes(lo, hi)

@@ -110,9 +110,9 @@ class PackedArena:
             lo = end
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """bf16 -> its 16 bits as int32 in [0, 65535]."""
-    return x.view(torch.int16).to(torch.int32) & 0xFFFF
+def bf16_patterns() -> torch.Tensor:
+    """All 65 536 bf16 bit patterns (NaNs, signed zeros, subnormals, infinities), as bf16 [65536]."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
 def _chunks(arena: torch.Tensor, lo: int, hi: int, device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -275,12 +275,12 @@ _VERIFIED: set[torch.device] = set()
 
 
 def self_check(device: torch.device, launch=None) -> str:
-    """"" when ``launch`` (default: the Triton kernel) decodes every bf16 bit pattern, at an odd length and
-    a nonzero base, exactly as ``unpack_eager`` does on ``device``; else what went wrong. One-time (syncs)."""
+    """An empty string when ``launch`` (default: the Triton kernel) decodes every bf16 bit pattern, at an odd
+    length and a nonzero base, exactly as ``unpack_eager`` does on ``device``; else what went wrong. One-time
+    (it syncs)."""
     launch = launch or _launch
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([(torch.randn(4097, generator=g) * 0.02).bfloat16(), every])
+    x = torch.cat([(torch.randn(4097, generator=g) * 0.02).bfloat16(), bf16_patterns()])
     pk = pack(x)
     lo, hi = 2, x.numel()
     i0, i1 = pk.escapes(lo, hi)

@@ -29,7 +29,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -284,8 +284,16 @@ class HostStore:
         """The packed forms that stream (empty when packing is off or ``use_packed`` is False)."""
         return self._planes if self.use_packed else {}
 
-    def _pack_device(self, transport: Transport) -> torch.device:
-        return transport.device if transport.device.type == "cuda" else torch.device("cpu")
+    @staticmethod
+    def _on_pack_device(transport: Transport, fn: Callable[[torch.device], Any]) -> Any:
+        """``fn(device)`` with the arithmetic on the transport's GPU when there is one; when that GPU is full
+        (ComfyUI loaded the rest), on the host: slower, same bytes."""
+        if transport.device.type == "cuda":
+            try:
+                return fn(transport.device)
+            except torch.cuda.OutOfMemoryError:
+                pass
+        return fn(torch.device("cpu"))
 
     def pack_arenas(self, transport: Transport, pin: bool = True) -> None:
         """Pack each bf16 arena (one-time; the arithmetic runs on the transport's GPU when there is
@@ -297,11 +305,7 @@ class HostStore:
         with torch.inference_mode(False):
             for dtype, arena in self.arenas.items():
                 if dtype in PACKABLE and arena.numel():
-                    try:
-                        self._planes[dtype] = pack(arena, device=self._pack_device(transport))
-                    except torch.cuda.OutOfMemoryError:
-                        # the GPU is full (ComfyUI loaded the rest): pack on the host, slower, same bytes
-                        self._planes[dtype] = pack(arena)
+                    self._planes[dtype] = self._on_pack_device(transport, lambda dev: pack(arena, device=dev))
         self.pack_seconds = time.perf_counter() - t0
         for dtype, pk in self._planes.items():
             self.pin_results[dtype] = self._pin_planes(pk, transport, pin)
@@ -317,10 +321,14 @@ class HostStore:
     def _pin_planes(self, pk: PackedArena, transport: Transport, pin: bool) -> PinResult:
         if not pin:
             return PinResult(False, "pinning disabled")
-        results = [transport.pin(t) for t in pk.planes() if t.numel()]
-        self._pinned_planes += [t for t, r in zip([t for t in pk.planes() if t.numel()], results) if r.pinned]
-        bad = [r for r in results if not r.pinned]
-        return bad[0] if bad else PinResult(True, "packed planes pinned", pk.nbytes)
+        bad = None
+        for t in (t for t in pk.planes() if t.numel()):
+            r = transport.pin(t)
+            if r.pinned:
+                self._pinned_planes.append(t)
+            else:
+                bad = bad or r
+        return bad or PinResult(True, "packed planes pinned", pk.nbytes)
 
     def _repack(self, changed: Sequence[_Entry], transport: Transport) -> None:
         """Re-encode what was re-staged; the escape planes are new tensors, so they are re-pinned."""
@@ -332,10 +340,7 @@ class HostStore:
             if not ranges:
                 continue
             old = [pk.esc_pos, pk.esc_val]
-            try:
-                repack_ranges(pk, self.arenas[dtype], ranges, device=self._pack_device(transport))
-            except torch.cuda.OutOfMemoryError:
-                repack_ranges(pk, self.arenas[dtype], ranges)      # the GPU is full: on the host
+            self._on_pack_device(transport, lambda dev: repack_ranges(pk, self.arenas[dtype], ranges, device=dev))
             for t in old:
                 if any(t is p for p in self._pinned_planes):
                     transport.unpin(t)
@@ -1503,7 +1508,8 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
         raise ConfigError("config", type(config).__name__, "a PrefetchConfig")
     layout = layout or find_blocks(module)
     owns = store is None
-    pack_ok, pack_why = packing_supported(transport.device)
+    # probed only when asked for: on a GPU the first probe self-checks the unpack kernel (a sync)
+    pack_ok, pack_why = packing_supported(transport.device) if config.packed else (False, "not asked for")
     if store is None:
         store = HostStore(layout.blocks, transport, pin=config.pin, packed=config.packed and pack_ok)
     else:
