@@ -383,6 +383,9 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     goal = Goal.parse(goal, "goal")
     wl.validate()
     notes: list[str] = list(machine.notes) + list(machine.comfyui.get("notes", ()))
+    if wl.frames > 1 and not spec.is_video:
+        notes.append(f"frames={wl.frames} ignored: {spec.name} is an image model (one frame per image; "
+                     f"use batch for several images)")
     act = activation_bytes(spec, wl)
     workload = {"width": wl.width, "height": wl.height, "frames": wl.frames if spec.is_video else 1,
                 "steps": wl.steps, "batch": wl.batch, "tokens": spec.tokens(wl.width, wl.height, wl.frames),

@@ -230,3 +230,13 @@ def test_ltx_temporal_chunks_are_streamed_exact_without_overlap():
     t = p.vae.tiling
     assert t is not None and t.temporal_frames and t.temporal_overlap == 0
     assert any("streamed" in n and "exact" in n for n in p.vae.notes)
+
+
+def test_frames_for_an_image_model_are_ignored_with_a_note():
+    img = plan(get_preset("sdxl"), Workload(1024, 1024, 81, 30), machine(8))
+    one = plan(get_preset("sdxl"), Workload(1024, 1024, 1, 30), machine(8))
+    assert img.workload["frames"] == 1 and img.predicted_peak_bytes == one.predicted_peak_bytes
+    assert any("frames=81 ignored" in n and "image model" in n for n in img.notes)
+    assert not any("ignored" in n for n in one.notes)
+    video = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 81, 30), machine(8))
+    assert not any("frames=81 ignored" in n for n in video.notes)
