@@ -455,7 +455,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if spec.experts > 1:
         dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
     if machine.comfyui.get("dynamic_vram"):
-        dit_notes.append("ComfyUI's DynamicVRAM already streams this model; GroupPrefetch stands aside unless it measures faster")
+        dit_notes.append("ComfyUI's DynamicVRAM already streams this model; GroupPrefetch stands aside (start "
+                         "ComfyUI with --disable-dynamic-vram to use it instead)")
     dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
                              pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
                              streaming=c.dit.streaming, notes=tuple(dit_notes),

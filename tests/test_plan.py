@@ -240,3 +240,14 @@ def test_frames_for_an_image_model_are_ignored_with_a_note():
     assert not any("ignored" in n for n in one.notes)
     video = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 81, 30), machine(8))
     assert not any("frames=81 ignored" in n for n in video.notes)
+
+
+def test_dynamic_vram_note_says_groupprefetch_stands_aside_and_how_to_use_it():
+    import dataclasses
+    m = machine(8)
+    dyn = dataclasses.replace(m, comfyui={"dynamic_vram": True})
+    notes = plan(get_preset("flux1-dev"), Workload(1024, 1024), dyn).component("diffusion_model").notes
+    line = [n for n in notes if "DynamicVRAM" in n]
+    assert line and "stands aside" in line[0] and "--disable-dynamic-vram" in line[0]
+    assert not any("DynamicVRAM" in n for n in plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+               .component("diffusion_model").notes)
