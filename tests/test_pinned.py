@@ -163,3 +163,32 @@ def test_pin_mode_parse_names_the_field():
     assert PinMode.parse("ON") is PinMode.ON
     with pytest.raises(ValueError, match="pin"):
         PinMode.parse("sometimes", "pin")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["as_stored", "packed"])
+def test_a_dropped_prefetch_store_unpins_what_it_pinned(packed):
+    """ComfyUI drops a model (another checkpoint, a cleared cache) without telling anyone, and GroupPrefetch's
+    store goes with it: whatever the store page-locked (arenas, packed planes) is unregistered then, not left
+    locked for the life of the process. An explicit unpin first is not repeated by the finalizer."""
+    import gc
+
+    from comfyui_levers.core.residency.blocks import find_blocks
+    from comfyui_levers.core.residency.prefetch import HostStore
+    from prefetch_toys import make_wan
+
+    tr = PinningTransport()
+    model = make_wan(n=4, mixed=True).to(torch.bfloat16)
+    store = HostStore(find_blocks(model).blocks, tr, packed=packed)
+    assert tr.pinned and not tr.unpinned and store.pinned_bytes > 0
+    pinned = sorted(tr.pinned)
+    del store
+    gc.collect()
+    assert sorted(tr.unpinned) == pinned
+
+    tr2 = PinningTransport()
+    store = HostStore(find_blocks(model).blocks, tr2, packed=packed)
+    store.unpin(tr2)
+    assert sorted(tr2.unpinned) == sorted(tr2.pinned) and store.pinned_bytes == 0
+    del store
+    gc.collect()
+    assert sorted(tr2.unpinned) == sorted(tr2.pinned)        # nothing unpinned twice

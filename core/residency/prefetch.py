@@ -28,6 +28,7 @@ import bisect
 import math
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -138,6 +139,14 @@ class _Entry:
     tensor: torch.Tensor | None = None  # the object whose .data is swapped (refreshed on attach)
 
 
+def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
+    """Unpin and forget every tensor in ``pinned`` (lists a store owns; emptied in place)."""
+    for group in pinned:
+        for t in group:
+            transport.unpin(t)
+        group.clear()
+
+
 class HostStore:
     """Streamed tensors of ``blocks`` packed into one (pinned) arena per dtype.
 
@@ -166,8 +175,12 @@ class HostStore:
         self.use_packed = True                              # stream the packed forms (when there are any)
         self.pack_seconds = 0.0
         self._pack_wanted = packed
+        # the pinned tensors, mutated in place only: the finalizer below holds these two lists, so that host
+        # memory a dropped store page-locked is unregistered (ComfyUI drops a model, and its store, without
+        # telling anyone; unregistered pages would stay locked for the life of the process)
         self._pinned_planes: list[torch.Tensor] = []
         self._pinned_arenas: list[torch.Tensor] = []
+        weakref.finalize(self, _unpin_all, transport, self._pinned_arenas, self._pinned_planes).atexit = False
         self._needs_pinning = getattr(getattr(transport, "device", None), "type", None) == "cuda"
         self._esc_cache: dict[tuple[torch.dtype, int, int], int] = {}
         self._fingerprints: dict[int, torch.Tensor] = {}
@@ -344,7 +357,7 @@ class HostStore:
             for t in old:
                 if any(t is p for p in self._pinned_planes):
                     transport.unpin(t)
-                    self._pinned_planes = [p for p in self._pinned_planes if p is not t]
+                    self._pinned_planes[:] = [p for p in self._pinned_planes if p is not t]
             if self.pin_results[dtype].pinned:
                 for t in (pk.esc_pos, pk.esc_val):
                     if t.numel() and transport.pin(t).pinned:
@@ -426,9 +439,7 @@ class HostStore:
 
     def unpin(self, transport: Transport) -> None:
         """Unpin every arena and packed plane this store pinned (their values stay)."""
-        for t in self._pinned_arenas + self._pinned_planes:
-            transport.unpin(t)
-        self._pinned_arenas, self._pinned_planes = [], []
+        _unpin_all(transport, self._pinned_arenas, self._pinned_planes)
 
     # queries -------------------------------------------------------------------------------
     @property
