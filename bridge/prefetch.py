@@ -391,6 +391,12 @@ class PrefetchState:
         if patcher_is_dynamic(patcher) or dynamic_vram_active():
             self.last_report = stand_aside_line()
             return executor(*args, **kwargs)
+        if getattr(patcher, "hook_patches", None):
+            self.last_report = HOOKS_LINE
+            log.info("levers: %s", HOOKS_LINE)
+            from .phase import send_to_node
+            send_to_node(HOOKS_LINE, self.node_id)
+            return executor(*args, **kwargs)
         noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
         session = _Session(self, patcher, noise)
         self.session = session
@@ -411,6 +417,12 @@ class PrefetchState:
         if s is not None and s.handle is None and s.skip_reason is None:
             s.attach()
         return executor(*args, **kwargs)
+
+
+HOOKS_LINE = ("GroupPrefetch stands aside for this run: its conditioning carries weight hooks (hook LoRA, "
+              "scheduled LoRA), which ComfyUI writes into the weights between model calls; streamed copies would "
+              "miss those writes. ComfyUI loads the model itself this run. Apply the LoRA with a LoraLoader to "
+              "stream it.")
 
 
 def stand_aside_line() -> str:

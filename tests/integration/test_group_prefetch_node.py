@@ -90,6 +90,39 @@ def test_lora_patches_on_streamed_blocks_are_streamed_patched(comfy_env, tiny_wa
 
 
 @pytest.mark.parametrize("pk", [True, False])
+def test_weight_hooks_in_the_conditioning_make_it_stand_aside(comfy_env, tiny_wan, monkeypatch, pk):
+    """Hook LoRA: ComfyUI writes hook weights into the model in place between model calls (positive with the hook,
+    negative without). Streamed copies would miss those writes (packed: the packed planes are not re-encoded, so
+    the samples differ), so the node stands aside for such a run, says so, and the output is stock; the next run
+    without hooks streams again."""
+    import comfy.hooks
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "unet_dtype", lambda *a, **k: torch.bfloat16)
+    model = tiny_wan.load_model()
+    sd = model.model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("weight") and sd[k].ndim == 2)
+    g = torch.Generator().manual_seed(5)
+    target = sd[key] + torch.randn(sd[key].shape, generator=g).to(sd[key].dtype) * 0.5
+    hooks = comfy.hooks.create_hook_model_as_lora({f"diffusion_model.{key}": target}, None, 1.0, 1.0)
+    pos, neg = tiny_wan.cond(0)
+    pos = comfy.hooks.set_hooks_for_conditioning(pos, hooks)
+
+    def sample(m, p):
+        return comfy_env.nodes.common_ksampler(m, 0, 2, 2.0, "euler", "simple", p, neg,
+                                               tiny_wan.empty_latent())[0]["samples"]
+    ref = sample(model, pos)
+    plain = sample(model, tiny_wan.cond(0)[0])
+    assert not torch.equal(ref, plain), "the hook must change the output for this test to mean anything"
+    clone, _, state = _prefetch(comfy_env, model, packed_bf16=pk)
+    assert torch.equal(sample(clone, pos), ref)
+    assert "stands aside" in state.last_report and "weight hooks" in state.last_report, state.last_report
+    assert torch.equal(sample(clone, tiny_wan.cond(0)[0]), plain)
+    assert "streamed" in state.last_report and state.last_stats["streamed_groups"] >= 2, state.last_report
+    assert state.last_stats["packed"] == pk
+
+
+@pytest.mark.parametrize("pk", [True, False])
 def test_packed_bf16_streams_fewer_bytes_bit_identical_with_lora(comfy_env, tiny_wan, monkeypatch, pk):
     """A bf16 DiT (ComfyUI picks fp32 on a CPU; the test asks for bf16 as --bf16-unet would): packed
     streaming gives the same samples, moves < 0.8x the bytes, and follows a LoRA patched in later
