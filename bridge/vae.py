@@ -4,6 +4,7 @@ Only this module touches ComfyUI (``comfy.sd.VAE``, ``comfy.model_management``, 
 Supported seamless paths, detected from the model's modules rather than ComfyUI's version:
   * KL decoders (SD 1.x/2.x, SDXL, SD3, Flux, Flux 2): ``comfy.ldm.modules.diffusionmodules.model.Decoder``;
     layered (tail modules in row bands, exact statistics) when that fits, else spatial tiles;
+  * HunyuanImage 2.1 (``comfy.ldm.hunyuan_video.vae.Decoder``, 32x): as KL, split at 1/4 of the output scale;
   * HunyuanVideo 1.0 (the 3-D KL decoder) and 1.5 (``comfy.ldm.hunyuan_video.vae_refiner.Decoder``): time in the
     decoder's own carried-convolution chunks, streamed; spatial tiles;
   * LTX-Video VAE (``comfy.ldm.lightricks.vae.causal_video_autoencoder.VideoVAE``): spatial tiles, all frames per
@@ -96,7 +97,9 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
                                       "tiled (per-pixel RMS norms: exact); time in the decoder's own causal chunks")
     if _is_ltx_decoder(dec):
         return _ltx(fsm, dec)
-    if dec is not None and all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out")):
+    if _is_hunyuan_image_decoder(dec):
+        return _hunyuan_image(fsm, dec)
+    if _is_kl_decoder(dec):
         weight = getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 5:
             if any(len(up.attn) > 0 for up in dec.up):
@@ -112,6 +115,59 @@ def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
         return _kl(fsm, dec), ("KL decoder: stages up to 1/4 of the output scale run whole (attention + their "
                                "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
     return None, f"{type(fsm).__name__} has no seamless tiling in Levers yet"
+
+
+def _is_kl_decoder(dec) -> bool:
+    """ComfyUI's KL decoder (``comfy.ldm.modules.diffusionmodules.model.Decoder``, 2-D or 3-D): stages indexed
+    from the highest resolution, each with ``block``, ``attn`` and (but the first) ``upsample``. Other decoders
+    with the same top-level names (the HunyuanImage 2.1 refiner's) are not this layout."""
+    if dec is None or not all(hasattr(dec, a) for a in ("conv_in", "mid", "up", "norm_out", "conv_out",
+                                                        "num_resolutions")):
+        return False
+    return all(hasattr(up, "block") and hasattr(up, "attn") for up in dec.up)
+
+
+def _is_hunyuan_image_decoder(dec) -> bool:
+    """ComfyUI's HunyuanImage 2.1 VAE decoder (``comfy.ldm.hunyuan_video.vae.Decoder``: 32x space, 2-D, GroupNorm
+    residual stages with pixel-shuffle upsamplers, attention only in the middle block), or a subclass."""
+    return dec is not None and any(c.__module__ == "comfy.ldm.hunyuan_video.vae" and c.__name__ == "Decoder"
+                                   for c in type(dec).__mro__)
+
+
+def _zero_stand_in(x, *args, **kwargs):
+    """Stand-in for a ``conv_in`` whose caller adds the latent itself (repeated over channels) to its output:
+    zeros, so the stand-in latent comes through the sum unchanged."""
+    return x * 0
+
+
+def _hunyuan_image(fsm, dec) -> tuple[StagedDecoder | None, str]:
+    """HunyuanImage 2.1: the stem is conv_in, the middle block (attention over the whole image) and the stages up
+    to 1/4 of the output scale; the tail is the rest, whose GroupNorms take whole-image statistics like a KL
+    decoder's. Its stages run from the lowest resolution up, each upsampling at its end but the last."""
+    stages = list(dec.up)
+    ups = sum(1 for st in stages if hasattr(st, "upsample"))
+    level = ups - 2                      # the stage at 1/4 of the output scale
+    if level < 0 or not all(hasattr(st, "block") and len(st.block) > 0 for st in stages):
+        return None, f"{type(dec).__name__} (HunyuanImage layout) has fewer than 2 upsamplers"
+    stem = [dec.conv_in, dec.mid.block_1, dec.mid.attn_1, dec.mid.block_2]
+    tail = []
+    boundary = None
+    for i, st in enumerate(stages):
+        blocks = list(st.block)
+        up = [st.upsample] if hasattr(st, "upsample") else []
+        if i < level:
+            stem += blocks + up
+        elif i == level:
+            stem += blocks[:-1]
+            boundary = blocks[-1]
+            tail += up
+        else:
+            tail += blocks + up
+    tail += [dec.norm_out, dec.conv_out]
+    staged = StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail,
+                           stand_ins={dec.conv_in: _zero_stand_in})
+    return staged, ("HunyuanImage 2.1 VAE: stages up to 1/4 of the output scale run whole (attention + their "
+                    "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
 
 
 def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecoder:
@@ -167,7 +223,7 @@ def deeper_stems(vae, staged: StagedDecoder | None) -> list[tuple[StagedDecoder,
     one whose stem and tiles fit the budget."""
     fsm = vae.first_stage_model
     dec = getattr(fsm, "decoder", None)
-    if staged is None or staged.causal or staged.streamed or not hasattr(dec, "num_resolutions"):
+    if staged is None or staged.causal or staged.streamed or not _is_kl_decoder(dec):
         return []
     if getattr(getattr(dec.conv_in, "conv", dec.conv_in), "weight", torch.empty(0)).ndim != 4:
         return []           # the 3-D KL decoder (HunyuanVideo) keeps its own split

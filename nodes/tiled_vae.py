@@ -32,7 +32,8 @@ class LeversTiledVAEDecode(io.ComfyNode):
             inputs=[
                 io.Latent.Input("samples", tooltip="The latent to decode (image or video)."),
                 io.Vae.Input("vae", tooltip="The VAE to decode with. Tiled seamlessly: SD/SDXL/FLUX/SD3 KL, Wan 2.1/2.2, "
-                                           "HunyuanVideo 1.0/1.5, LTX-Video; any other VAE runs ComfyUI's own decode."),
+                                           "HunyuanVideo 1.0/1.5, HunyuanImage 2.1, LTX-Video; any other VAE runs ComfyUI's own "
+                                           "decode."),
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan. Its predicted VAE tiling is reported; the node "
                                                              "sizes the decode from its own measurement of the VAE."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,

@@ -406,6 +406,95 @@ def test_hunyuan15_spatial_tiles_are_exact(comfy_env, hunyuan15_vae):
     assert p_ours >= 60 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
 
 
+def _narrow(module, widths, **fixed):
+    """Subclasses of ``module``'s Encoder and Decoder built at ``widths`` (sd.py hard-codes the full widths)."""
+    class NarrowEncoder(module.Encoder):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "block_out_channels": widths, **fixed})
+
+    class NarrowDecoder(module.Decoder):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "block_out_channels": widths, **fixed})
+    return NarrowEncoder, NarrowDecoder
+
+
+def _vae_from_narrow_classes(module, enc_cls, dec_cls, cfg, seed):
+    with torch.device("meta"):
+        enc, dec = enc_cls(**cfg), dec_cls(**cfg)
+    shapes = {**{"encoder." + k: v for k, v in enc.state_dict().items()},
+              **{"decoder." + k: v for k, v in dec.state_dict().items()}}
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=seed)
+    return vae_with_swapped_classes(module, {"Encoder": enc_cls, "Decoder": dec_cls}, sd)
+
+
+@pytest.fixture(scope="module")
+def hunyuan_image_vae(comfy_env):
+    """A HunyuanImage 2.1 VAE (``comfy.ldm.hunyuan_video.vae``: 2-D, 32x space, 64 latent channels, GroupNorm
+    residual stages, pixel-shuffle upsamplers) that comfy.sd.VAE detects from its state dict, at widths
+    (32 .. 64) and one residual block per stage instead of (128 .. 1024) and two."""
+    import comfy.ldm.hunyuan_video.vae as hy
+
+    widths = [32, 32, 32, 32, 64, 64]
+    enc_cls, dec_cls = _narrow(hy, widths, num_res_blocks=1)
+    cfg = dict(block_out_channels=widths, in_channels=3, out_channels=3, num_res_blocks=1, ffactor_spatial=32,
+               z_channels=64, downsample_match_channel=True, upsample_match_channel=True)
+    vae = _vae_from_narrow_classes(hy, enc_cls, dec_cls, cfg, seed=21)
+    assert vae.latent_channels == 64 and vae.upscale_ratio == 32
+    assert type(vae.first_stage_model.decoder).__name__ == "NarrowDecoder"
+    return vae
+
+
+def test_hunyuan_image_tiles_beat_vaedecodetiled(comfy_env, hunyuan_image_vae):
+    """Stages up to 1/4 of the output scale run whole, the rest in tiles with pooled GroupNorm statistics (this
+    decoder crashed the node's recognition before: it has a KL decoder's top-level names, not its stages)."""
+    latent = {"samples": smooth_latent((1, 64, 12, 10), 21)}
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_image_vae, latent)[0]
+    tile, overlap = 192, 64
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan_image_vae, latent, tile, overlap, 64, 8)[0]
+    ours, report = run_node(comfy_env, latent, hunyuan_image_vae, tile_size=tile, overlap=overlap)
+    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
+    print(f"\nHunyuanImage 2.1 {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
+          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
+    assert "HunyuanImage 2.1 VAE" in report and "mode=spatial" in report and "seams exact" in report, report
+    assert ours.shape == ref.shape == (1, 384, 320, 3)
+    assert p_ours >= 45 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
+
+
+def test_hunyuan_image_budget_below_the_whole_decode_runs_layered_and_exact(comfy_env, hunyuan_image_vae):
+    from comfyui_levers.bridge.vae import describe_vae, measure_cost, measure_layered
+
+    latent = {"samples": smooth_latent((1, 64, 12, 10), 22)}
+    staged, _ = describe_vae(hunyuan_image_vae)
+    cost, _, _ = measure_cost(hunyuan_image_vae, staged, latent["samples"])
+    px = 384 * 320
+    whole, layered = cost.whole_bytes_per_px * px, measure_layered(hunyuan_image_vae, staged, latent["samples"]) * px
+    assert layered < whole, (layered, whole)
+    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_image_vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, hunyuan_image_vae, memory_budget_gb=(layered + whole) / 2 / 2 ** 30)
+    assert "mode=layered" in report and "exact GroupNorm statistics" in report, report
+    assert psnr(ours, ref) >= 90, report
+
+
+def test_hunyuan_image_refiner_vae_stands_aside_with_a_reason(comfy_env):
+    """The HunyuanImage 2.1 refiner's VAE (``vae_refiner`` with ``refiner_vae=False``: 3-D convolutions, GroupNorm
+    over all frames, no stages a KL split knows) has the KL decoder's top-level names too; it used to crash the
+    node. Now Levers stands aside and ComfyUI decodes it."""
+    import comfy.ldm.hunyuan_video.vae_refiner as refiner
+
+    widths = [32, 32, 32, 32, 32]
+    enc_cls, dec_cls = _narrow(refiner, widths, num_res_blocks=1)
+    cfg = dict(block_out_channels=widths, in_channels=3, out_channels=3, num_res_blocks=1, ffactor_spatial=16,
+               ffactor_temporal=4, downsample_match_channel=True, upsample_match_channel=True, refiner_vae=False,
+               z_channels=32)
+    vae = _vae_from_narrow_classes(refiner, enc_cls, dec_cls, cfg, seed=23)
+    assert vae.first_stage_model.decoder.refiner_vae is False
+    latent = {"samples": smooth_latent((1, 32, 2, 4, 4), 23)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, vae, memory_budget_gb=1e-6)
+    assert "no seamless tiling" in report and "standing aside" in report and "mode=whole" in report, report
+    assert torch.equal(ours, ref)
+
+
 def test_a_vae_levers_cannot_tile_stands_aside_instead_of_failing(comfy_env):
     """TAESD (ComfyUI's tiny preview VAE) has no staged description: with a budget the prediction exceeds, the
     node runs ComfyUI's own decode (which retries with its tiled decode on out-of-memory) and says so."""
