@@ -347,11 +347,17 @@ class _Session:
         return _BANDWIDTH[key]
 
     def close(self) -> str:
-        report = self.report()
-        if self.handle is not None:
-            self.handle.remove()          # hooks off, slots freed; weights stay on their host views
-            self.handle = None
-        self.remove_load_overrides()
+        """Take the engine off the model and the patcher (always), and return the run's report."""
+        try:
+            report = self.report()
+        except Exception as e:            # the numbers are a report; the model is restored regardless
+            log.warning("levers: GroupPrefetch report failed (%s: %s)", type(e).__name__, e)
+            report = f"GroupPrefetch: the run's numbers could not be read ({type(e).__name__}: {e})."
+        finally:
+            if self.handle is not None:
+                self.handle.remove()      # hooks off, slots freed; weights stay on their host views
+                self.handle = None
+            self.remove_load_overrides()
         return report
 
     def report(self) -> str:
@@ -404,8 +410,11 @@ class PrefetchState:
             session.install_load_overrides()
             return executor(*args, **kwargs)
         finally:
-            if session.handle is not None:
-                self.last_stats = session.handle.stats()
+            try:
+                self.last_stats = session.handle.stats() if session.handle is not None else None
+            except Exception as e:        # the numbers are a report; close() restores the model regardless
+                log.warning("levers: GroupPrefetch stats failed (%s: %s)", type(e).__name__, e)
+                self.last_stats = None
             self.last_report = session.close()
             self.session = None
             log.info("levers: %s", self.last_report.replace("\n", " | "))

@@ -450,6 +450,35 @@ def test_auto_plan_uses_measured_compute_to_choose_groups():
         h.remove()
 
 
+def test_stats_never_rebuilds_the_slots_a_new_layout_waits_for_the_next_forward(monkeypatch):
+    """On CUDA the calibration forward's timings are read at the next forward or by stats(). stats() is what the
+    bridge asks at the end of a run, where rebuilding the slots would only allocate memory to free it again (and
+    could fail there): it keeps the current layout, and the next forward builds the calibrated one."""
+    from dataclasses import replace
+
+    import comfyui_levers.core.residency.prefetch as pf
+
+    m = make_wan(n=8)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, 150_000), tr, bandwidth=1e9)
+    try:
+        with torch.no_grad():
+            ref = m(*wan_inputs())
+        first = h.plan
+        other = replace(first, prefetch_depth=1 if first.prefetch_depth > 1 else 2)
+        monkeypatch.setattr(pf, "plan_groups", lambda *a, **k: other)
+        h.block_compute_s = None
+        h._calibration_pairs = ([], h.clock.mark(), h.clock.mark())     # timings as CUDA leaves them pending
+        slots = list(h.slots)
+        h.stats()
+        assert h.plan is first and h.slots == slots and h._replan_pending
+        with torch.no_grad():
+            out = m(*wan_inputs())
+        assert h.plan is other and not h._replan_pending and torch.equal(out, ref)
+    finally:
+        h.remove()
+
+
 def test_planner_prefers_streaming_less_when_the_bus_is_slow():
     m = make_wan(n=8)
     h = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, BIG), _rec(), bandwidth=0)

@@ -977,6 +977,7 @@ class PrefetchHandle:
         self._forward_seconds: list[float] = []
         self._misses = 0
         self._calibrating = False
+        self._replan_pending = False      # a calibrated layout deferred by stats(): built at the next forward
         self._block_marks: dict[int, Any] = {}
         self._block_pairs: list[tuple[int, Any, Any]] = []
         self._fwd_start_mark: Any = None
@@ -1322,7 +1323,7 @@ class PrefetchHandle:
         self.bound = None
 
     # calibration, re-planning and stats -----------------------------------------------------
-    def _collect_timings(self) -> None:
+    def _collect_timings(self, rebuild: bool = True) -> None:
         """Read finished timing marks. The calibration forward's per-block compute is read once
         (on CUDA at the start of the next forward; a one-time host sync there, then re-plan)."""
         pending = getattr(self, "_calibration_pairs", None)
@@ -1340,13 +1341,18 @@ class PrefetchHandle:
                                     if pairs else self.clock.elapsed(start, end))
             self._calibration_pairs = None
             self._fwd_marks = []
+            self._replan(rebuild)
+        elif rebuild and self._replan_pending:
+            self._replan_pending = False
             self._replan()
         while self._fwd_marks and self.clock.ready(self._fwd_marks[0][1]):
             a, z = self._fwd_marks.pop(0)
             self._forward_seconds.append(self.clock.elapsed(a, z))
             self.last.seconds = self._forward_seconds[-1]
 
-    def _replan(self) -> None:
+    def _replan(self, rebuild: bool = True) -> None:
+        """Plan again with the measured compute; a new layout is built only when ``rebuild`` (else the current
+        one stays, without predictions, until a forward re-plans it)."""
         if self.bandwidth is None:
             return
         plan = plan_groups(self.store, self.config, self.budget_bytes, self.remainder_bytes, self.bandwidth,
@@ -1354,14 +1360,18 @@ class PrefetchHandle:
         cur = self.plan
         if (plan.blocks_per_group, plan.prefetch_depth, plan.resident_groups, plan.cuts) != \
                 (cur.blocks_per_group, cur.prefetch_depth, cur.resident_groups, cur.cuts):
+            if not rebuild:
+                self._replan_pending = True
+                return
             self._teardown()
             self._build(plan)
         else:
             self.plan = plan   # same shape, now with predictions
 
     def stats(self) -> dict[str, Any]:
-        """Per-forward numbers (last forward) and the layout."""
-        self._collect_timings()
+        """Per-forward numbers (last forward) and the layout. Reads timings but never rebuilds the slots: callers
+        ask at the end of a run, where a new layout would only allocate device memory to be freed again."""
+        self._collect_timings(rebuild=False)
         p = self.plan
         achieved = statistics.median(self._forward_seconds) if self._forward_seconds else None
         resident_dev = sum(tensor_nbytes(b) for b in self._resident_bufs.values())

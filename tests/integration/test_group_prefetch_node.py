@@ -89,6 +89,27 @@ def test_lora_patches_on_streamed_blocks_are_streamed_patched(comfy_env, tiny_wa
     assert torch.equal(tiny_wan.sample(model)["samples"], plain)
 
 
+def test_a_failure_reading_the_run_numbers_still_restores_the_model(comfy_env, tiny_wan, monkeypatch):
+    """The run's numbers are read after sampling; if that fails (on CUDA it could allocate), the engine must
+    still come off the shared diffusion model and the patcher, and the sample stands."""
+    from comfyui_levers.core.residency import prefetch as core
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone, _, state = _prefetch(comfy_env, model)
+
+    def boom(self):
+        raise RuntimeError("stand-in for an allocation failure while reading the run's numbers")
+    monkeypatch.setattr(core.PrefetchHandle, "stats", boom)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    monkeypatch.undo()
+    dm = model.model.diffusion_model
+    assert not {"_load_list", "load", "model_size"} & set(vars(clone))
+    assert not sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in dm.blocks)
+    assert state.session is None and state.last_stats is None and "could not be read" in state.last_report
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref) and state.last_stats is not None
+
+
 @pytest.mark.parametrize("pk", [True, False])
 def test_weight_hooks_in_the_conditioning_make_it_stand_aside(comfy_env, tiny_wan, monkeypatch, pk):
     """Hook LoRA: ComfyUI writes hook weights into the model in place between model calls (positive with the hook,
