@@ -450,6 +450,33 @@ def test_auto_plan_uses_measured_compute_to_choose_groups():
         h.remove()
 
 
+def test_the_remainder_is_waited_for_before_compute_reads_it():
+    """manage_resident with nothing resident: the embedders and head are copied once, asynchronously on CUDA;
+    compute must wait for those copies before its first use of them (there are no resident buffers whose
+    wait would cover them)."""
+    from comfyui_levers.core.residency.transport import note_compute
+
+    class OffDeviceCpu(CpuTransport):
+        """The CPU transport with "device" cpu:0, so host tensors count as off the device, as on CUDA."""
+        def __init__(self):
+            super().__init__()
+            self.device = torch.device("cpu", 0)
+
+    m = make_wan(n=6)
+    tr = RecordingTransport(OffDeviceCpu())
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, 10**9, partial_blocks=False), tr, bandwidth=0)
+    try:
+        m.patch_embedding.register_forward_pre_hook(lambda *a: note_compute(tr, "patch_embedding"))
+        with torch.no_grad():
+            m(*wan_inputs())
+        ops = [(o.kind, o.tag) for o in tr.ops]
+        first_use = ops.index(("compute", "patch_embedding"))
+        last_copy = max(i for i, o in enumerate(ops) if o == ("h2d", "remainder"))
+        assert ("wait", "remainder") in ops[last_copy + 1:first_use], ops[last_copy:first_use + 1]
+    finally:
+        h.remove()
+
+
 def test_stats_never_rebuilds_the_slots_a_new_layout_waits_for_the_next_forward(monkeypatch):
     """On CUDA the calibration forward's timings are read at the next forward or by stats(). stats() is what the
     bridge asks at the end of a run, where rebuilding the slots would only allocate memory to free it again (and

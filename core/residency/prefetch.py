@@ -1041,6 +1041,8 @@ class PrefetchHandle:
                 self._moved.append((ref, t))
                 done[id(t)] = moved
                 _set(ref, moved)
+        if done:                          # compute reads them next: it waits for their copies first
+            self.transport.wait(self.transport.record("remainder"), "remainder")
 
     def _to_device(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         if _is_plain(t):
