@@ -176,6 +176,7 @@ class _Session:
                 self.streamed_bytes = split.streamed_bytes
                 self.streamed_ids = set(split.head_modules)
         self._saved: dict[str, Any] = {}
+        self.unloaded_stale: str | None = None
 
     @property
     def tails(self) -> frozenset[int]:
@@ -203,6 +204,7 @@ class _Session:
         """Make ComfyUI load only the non-streamed part (instance attributes, removed in close)."""
         if not self.streamed:
             return
+        self.unload_stale_placement()
         p = self.patcher
         cls = type(p)
         streamed_ids, streamed_bytes = self.streamed_ids, self.streamed_bytes
@@ -229,6 +231,29 @@ class _Session:
         for name, fn in (("_load_list", _load_list), ("load", load), ("model_size", model_size)):
             self._saved[name] = p.__dict__.get(name, _MISSING)
             setattr(p, name, fn)
+
+    def unload_stale_placement(self) -> str | None:
+        """Before ComfyUI loads: if weights this run streams are still on the device from an earlier load of the
+        same model (a previous run that kept more resident: another resolution or batch, an explicit budget
+        changed, another split; or a clone loaded without this node), ComfyUI unloads that model first. ComfyUI
+        never moves a loaded module back because the load list shrank, and streamed blocks left half on the
+        device would have to be skipped. Returns what was done, for the report."""
+        import comfy.model_management as mm
+
+        tails = self.tails
+        stale = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
+        if not stale:
+            return None
+        root = self.patcher.model
+        mine = [i for i, lm in enumerate(mm.current_loaded_models)
+                if getattr(lm, "model", None) is not None and getattr(lm.model, "model", None) is root]
+        for i in reversed(mine):
+            if mm.current_loaded_models[i].model_unload():
+                mm.current_loaded_models.pop(i)
+        self.unloaded_stale = (f"ComfyUI unloaded this model first: {len(set(stale))} blocks streamed this run "
+                               "were still on the device from an earlier load with more resident")
+        log.info("levers: %s", self.unloaded_stale)
+        return self.unloaded_stale
 
     def _reset_streamed_modules(self) -> None:
         """Drop lowvram cast state another clone may have left on streamed modules (its LoRA
@@ -273,7 +298,9 @@ class _Session:
             budget = max(0, int(budget))
             import comfy.model_management as mm
             if not mm.is_device_cpu(dev):
-                mm.free_memory(budget, dev)   # ask ComfyUI for the slots' room before taking it
+                # ask ComfyUI for the slots' room before taking it, from other models: this one is in use
+                keep = [lm for lm in mm.current_loaded_models if getattr(lm, "model", None) is self.patcher]
+                mm.free_memory(budget, dev, keep_loaded=keep)
         # ComfyUI holds the resident part (whole blocks, or the tails of split blocks) through its
         # own load list; the engine streams exactly the rest, in whole-block (head) groups.
         cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False,
@@ -367,6 +394,8 @@ class _Session:
                 f"most {_gb(self.split.cap)} ({_gb(self.streamed_bytes)} in all)")
         head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; {kept}; "
                 f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
+        if self.unloaded_stale:
+            head += f"\n{self.unloaded_stale}."
         if self.skip_reason:
             return f"{head}\nnot streaming this run: {self.skip_reason}."
         if self.handle is None:

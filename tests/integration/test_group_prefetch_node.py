@@ -89,6 +89,51 @@ def test_lora_patches_on_streamed_blocks_are_streamed_patched(comfy_env, tiny_wa
     assert torch.equal(tiny_wan.sample(model)["samples"], plain)
 
 
+def test_blocks_left_on_the_device_by_an_earlier_load_are_unloaded_before_comfyui_loads(comfy_env, tiny_wan):
+    """A run that streams blocks an earlier load left on the device (the auto budget shrank with a larger
+    resolution, a split moved, or a clone loaded without the node): ComfyUI never moves a loaded module back when
+    its load list shrinks, so the session has ComfyUI unload this model first. On this CPU a block on the "meta"
+    device stands in for one left on the GPU, and a stand-in LoadedModel for ComfyUI's entry of this model."""
+    import comfy.model_management as mm
+    from comfyui_levers.bridge.prefetch import _Session
+
+    model = tiny_wan.load_model()
+    clone, _, state = _prefetch(comfy_env, model)
+    session = _Session(state, clone, None)
+    _, block = session.streamed[0]
+    owner, pname = next((m, n) for m in block.modules() for n in m._parameters if m._parameters[n] is not None)
+    kept = owner._parameters[pname]
+    owner._parameters[pname] = torch.nn.Parameter(torch.empty_like(kept, device="meta"), requires_grad=False)
+
+    class Entry:                                   # ComfyUI's LoadedModel for this model, as far as it matters
+        def __init__(self, patcher):
+            self.model, self.unloads = patcher, 0
+
+        def model_unload(self, memory_to_free=None, unpatch_weights=True):
+            self.unloads += 1
+            owner._parameters[pname] = kept        # back on the offload device, as ComfyUI's detach does
+            return True
+    mine, other = Entry(model), Entry(tiny_wan.load_model())   # a clone shares the model; another load does not
+    mm.current_loaded_models.extend([mine, other])
+    try:
+        session.install_load_overrides()
+        assert mine.unloads == 1 and other.unloads == 0
+        assert mine not in mm.current_loaded_models and other in mm.current_loaded_models
+        assert owner._parameters[pname] is kept and "unloaded this model first" in session.report(), session.report()
+        session.remove_load_overrides()
+        again = _Session(state, clone, None)       # nothing stale: nothing unloaded
+        again.install_load_overrides()
+        again.remove_load_overrides()
+        assert again.unloaded_stale is None and other.unloads == 0
+    finally:
+        owner._parameters[pname] = kept
+        for e in (mine, other):
+            if e in mm.current_loaded_models:
+                mm.current_loaded_models.remove(e)
+    ref = tiny_wan.sample(model)["samples"]
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+
+
 def test_a_failure_reading_the_run_numbers_still_restores_the_model(comfy_env, tiny_wan, monkeypatch):
     """The run's numbers are read after sampling; if that fails (on CUDA it could allocate), the engine must
     still come off the shared diffusion model and the patcher, and the sample stands."""
