@@ -83,11 +83,19 @@ class DecodeReport:
 
 # ------------------------------------------------------------------------------------- describe
 def describe_vae(vae) -> tuple[StagedDecoder | None, str]:
-    """A StagedDecoder for the VAE's first_stage_model, or (None, why not)."""
+    """A StagedDecoder for the VAE's first_stage_model, or (None, why not). Never raises: a layout Levers
+    misreads is a VAE it stands aside for (ComfyUI decodes it), not a failed decode."""
     fsm = getattr(vae, "first_stage_model", None)
     if fsm is None:
         return None, "VAE has no first_stage_model"
-    dec = getattr(fsm, "decoder", None)
+    try:
+        return _describe(fsm, getattr(fsm, "decoder", None))
+    except Exception as e:
+        log.warning("levers: could not read the layout of %s", type(fsm).__name__, exc_info=True)
+        return None, f"{type(fsm).__name__}: Levers could not read its layout ({type(e).__name__}: {e})"
+
+
+def _describe(fsm, dec) -> tuple[StagedDecoder | None, str]:
     if _is_wan_decoder(fsm, dec):
         staged = _wan(fsm, dec)
         name = "Wan 2.2 VAE" if staged.first_call_kwarg else "Wan 2.1 VAE"
@@ -610,7 +618,18 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     chunk_frames = max(1, tsize // t_compress) if (tsize and video) else None
     if own and chunk_frames is not None:
         chunk_frames = staged.own_chunk_frames      # the decoder's own calls; other sizes would cut its state
-    cost, halo_px, method = measure_cost(vae, staged, samples)
+    try:
+        cost, halo_px, method = measure_cost(vae, staged, samples)
+    except Exception as e:
+        if staged is None or isinstance(e, mm.InterruptProcessingException):
+            raise
+        # the layout was recognised but a probe through its split failed: a variant Levers misreads. Stand aside
+        # (ComfyUI decodes it) rather than fail a decode ComfyUI can do
+        log.warning("levers: probing the split of %s failed", type(vae.first_stage_model).__name__, exc_info=True)
+        rep.add(f"standing aside: probing this decoder's split failed ({type(e).__name__}: {e}); ComfyUI's own "
+                "decode instead")
+        staged, own, streams, all_frames = None, False, False, False
+        cost, halo_px, method = measure_cost(vae, None, samples)
     frame_px = samples.shape[-2] * samples.shape[-1] * s * s
     if not tile and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
         cost = dataclasses.replace(cost, layered_bytes_per_px=measure_layered(vae, staged, samples))

@@ -495,6 +495,46 @@ def test_hunyuan_image_refiner_vae_stands_aside_with_a_reason(comfy_env):
     assert torch.equal(ours, ref)
 
 
+def test_a_decoder_whose_split_cannot_be_probed_is_decoded_by_comfyui(comfy_env, kl_vae, monkeypatch):
+    """A VAE Levers recognises but whose split fails to run (a variant it misreads) stands aside with the error
+    in the report and ComfyUI's own decode, instead of failing the decode; an interrupt still interrupts; and
+    the modules are left as they were."""
+    import comfy.model_management as mm
+    import comfyui_levers.bridge.vae as bv
+
+    latent = {"samples": smooth_latent((1, 16, 20, 20), 5)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+
+    def broken(staged, z):
+        raise RuntimeError("stand-in for a decoder variant whose stem does not run alone")
+    monkeypatch.setattr(bv, "run_stem", broken)
+    ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=1e-6)
+    assert "standing aside: probing this decoder's split failed" in report and "mode=whole" in report, report
+    assert torch.equal(ours, ref)
+
+    def interrupted(staged, z):
+        raise mm.InterruptProcessingException()
+    monkeypatch.setattr(bv, "run_stem", interrupted)
+    with pytest.raises(mm.InterruptProcessingException):
+        run_node(comfy_env, latent, kl_vae, tile_size=128)
+    monkeypatch.undo()
+    assert not [n for n, m in kl_vae.first_stage_model.named_modules() if "forward" in m.__dict__]
+    assert torch.equal(comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0], ref)
+
+
+def test_a_vae_whose_layout_cannot_be_read_stands_aside(comfy_env, kl_vae, monkeypatch):
+    import comfyui_levers.bridge.vae as bv
+
+    def unreadable(fsm, dec):
+        raise AttributeError("'Decoder' object has no attribute 'num_resolutions'")
+    monkeypatch.setattr(bv, "_describe", unreadable)
+    latent = {"samples": smooth_latent((1, 16, 20, 20), 6)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=1e-6)
+    assert "could not read its layout (AttributeError" in report and "standing aside" in report, report
+    assert torch.equal(ours, ref)
+
+
 def test_a_vae_levers_cannot_tile_stands_aside_instead_of_failing(comfy_env):
     """TAESD (ComfyUI's tiny preview VAE) has no staged description: with a budget the prediction exceeds, the
     node runs ComfyUI's own decode (which retries with its tiled decode on out-of-memory) and says so."""
