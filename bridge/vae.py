@@ -587,13 +587,18 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         samples = samples[:, :, 0]
     if samples.ndim not in (4, 5):
         raise ConfigError("samples", tuple(samples.shape), "a 4-D image or 5-D video latent",
-                          "This VAE decodes audio or another 1-D latent; use VAEDecode.")
+                          "This is an audio or other 1-D latent, which no image node decodes; use VAEDecodeAudio for "
+                          "audio, or ComfyUI's VAEDecode.")
     rep = DecodeReport()
     staged, why = describe_vae(vae)
     if settings.stats == "windows" and samples.ndim == 5 and staged is not None and staged.tail_norms:
         raise ConfigError("groupnorm_stats", "windows", "tiles or exact for this video VAE",
                           "Window statistics sample single images; video tiles pool their statistics over all "
                           "tiles instead (the default, tiles).")
+    if 0 < settings.tile_size < _spatial_scale(vae):
+        raise ConfigError("tile_size", settings.tile_size, f"0 (auto) or at least {_spatial_scale(vae)} px",
+                          f"This VAE decodes {_spatial_scale(vae)} output px per latent px, so a tile is at least "
+                          "that wide. Use 0 to let the node size the tiles.")
     rep.add(f"VAE: {type(vae.first_stage_model).__name__} ({why}); latent {tuple(samples.shape)}")
     if settings.free_other_models:
         rep.add(free_other_models(vae))
@@ -604,6 +609,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     s = _spatial_scale(vae)
     video = samples.ndim == 5
     tile, overlap, tsize = settings.tile_size, settings.overlap, settings.temporal_size
+    # user sizes in latent px: tiles round down (at most the size asked for), a non-zero overlap rounds up (a
+    # smaller one would become 0, hard seams)
+    tile_lat = tile // s if tile else None
+    overlap_lat = -(-overlap // s) if overlap else None
     if plan_tiling is not None:
         # Recommend sizes tiles from a formula before anything runs; this node measures the VAE itself and picks
         # exact overlaps, the layered decode or the least-work tiles, so the plan's sizes are only reported
@@ -654,7 +663,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
             + f"; tail receptive field {halo_px:.0f} px")
     try:
         plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
-                           tile=(tile // s) if tile else None, overlap=(overlap // s) if overlap else None,
+                           tile=tile_lat, overlap=overlap_lat,
                            chunk_frames=chunk_frames, spatial_supported=staged is not None,
                            temporal_supported=staged is not None and (staged.causal or staged.streamed or
                                                                       bool(units)),
@@ -663,7 +672,10 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                            tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
     except BudgetExceeded as exc:
         if staged is not None and settings.memory_budget_gb > 0:
-            raise                   # a budget the user set: say what it would take rather than exceed it
+            # a budget the user set: say what it would take rather than exceed it
+            raise BudgetExceeded(exc.needed_bytes, exc.available_bytes, exc.component,
+                                 f"Raise memory_budget_gb to at least {exc.needed_bytes / GIB:.3f} (or 0 = 90% of "
+                                 "the free memory).") from exc
         if staged is not None:
             # Even Levers' smallest plan (its whole-image stem, or the smallest exact tile) needs more than the
             # free memory. Fail soft, as ComfyUI's VAEDecode does on OOM: ComfyUI's own tiled decode, whose tiles
@@ -689,7 +701,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
             try:
                 alt_cost, alt_halo, _ = measure_cost(vae, alt, samples, whole_bpp=cost.whole_bytes_per_px)
                 alt_plan = plan_decode(tuple(samples.shape), s, alt_cost, budget, halo_px=alt_halo,
-                                       overlap=(overlap // s) if overlap else None)
+                                       overlap=overlap_lat)
             except BudgetExceeded:
                 continue
             if alt_plan.mode != "spatial":

@@ -28,14 +28,17 @@ class BackendUnavailable(LeversError, RuntimeError):
         super().__init__(msg)
 
 
+def _size(n: int) -> str:
+    """Bytes in GiB, or MiB below 1 GiB (a budget of a few MiB would read "0.00 GiB")."""
+    return f"{n / 1024 ** 3:.2f} GiB" if abs(n) >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
+
+
 class BudgetExceeded(LeversError, RuntimeError):
     """A plan or operation needs more memory than the budget allows."""
 
     def __init__(self, needed_bytes: int, available_bytes: int, component: str, hint: str = ""):
         self.needed_bytes, self.available_bytes, self.component = needed_bytes, available_bytes, component
-        gib = 1024 ** 3
-        msg = (f"{component} needs {needed_bytes / gib:.2f} GiB but only {available_bytes / gib:.2f} GiB "
-               f"is available.")
+        msg = f"{component} needs {_size(needed_bytes)} but only {_size(available_bytes)} is available."
         if hint:
             msg += f" {hint}"
         super().__init__(msg)

@@ -118,7 +118,7 @@ def test_video_tiles_that_hold_all_their_frames_count_them():
 
 
 def test_budget_too_small_raises_with_numbers():
-    with pytest.raises(BudgetExceeded, match="GiB"):
+    with pytest.raises(BudgetExceeded, match=r"needs [0-9.]+ (GiB|MiB) but only 0\.0 MiB"):
         plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=1000, halo_px=8.0)
 
 
@@ -185,3 +185,28 @@ def test_streamed_video_takes_the_longest_chunk_that_fits():
     assert user.chunk_frames == 2
     roomy = plan_decode((1, 8, 13, 32, 32), 8, cost, 10 ** 12, temporal_supported=True, chunk_frames=None)
     assert roomy.mode == "whole"
+
+
+def test_a_tile_covering_the_frame_keeps_temporal_chunks_and_the_budget():
+    """VAEDecodeTiled-style settings (tile 1024 px, temporal 16 frames) on an 832x480 video: no spatial tiles,
+    but the chunks asked for and the budget still hold (they were dropped for a whole decode)."""
+    cost = DecodeCost(whole_bytes_per_px=1000, tile_bytes_per_px=800, stem_bytes_per_px=20, stored_bytes_per_px=4,
+                      output_bytes_per_px=24)
+    shape, budget = (1, 16, 21, 60, 104), int(0.8 * 2 ** 30)
+    p = plan_decode(shape, 8, cost, budget, tile=128, chunk_frames=4, temporal_supported=True, out_frames=81,
+                    halo_px=20)
+    assert p.mode == "temporal" and p.chunk_frames == 4 and p.predicted_peak_bytes <= budget, p
+    assert p.reason.startswith("tile_size covers the whole 480x832px frame")
+    # an image that fits whole with a covering tile decodes whole, as before
+    img = plan_decode((1, 16, 60, 104), 8, cost, 10 ** 12, tile=128, halo_px=20)
+    assert img.mode == "whole" and "covers the whole" in img.reason
+    # one that does not fit runs the node's own plan instead of a whole decode over the budget
+    small = plan_decode((1, 16, 60, 104), 8, cost, 2 * 10 ** 8, tile=128, halo_px=20)
+    assert small.mode == "spatial" and small.predicted_peak_bytes <= 2 * 10 ** 8
+
+
+def test_auto_tiles_with_a_user_overlap_below_the_receptive_field_do_not_claim_exact():
+    cost = DecodeCost(whole_bytes_per_px=1000, tile_bytes_per_px=800, stem_bytes_per_px=20, stored_bytes_per_px=4)
+    p = plan_decode((1, 16, 64, 64), 8, cost, 10 ** 8, halo_px=20, overlap=1)
+    assert p.mode == "spatial" and not p.exact
+    assert "seams are blended, not exact" in p.reason and "tiles are exact" not in p.reason

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import BudgetExceeded, ConfigError
 
@@ -96,6 +96,14 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
     if chunk_frames is not None:
         chunk_frames = _check_int("temporal_size", chunk_frames, 1)
     auto_chunk_frames = _check_int("auto_chunk_frames", auto_chunk_frames, 1)
+    if tile is not None and tile >= h and tile >= w:
+        # no spatial tiling asked for; the rest still holds: temporal chunks asked for, and the budget
+        p = plan_decode(latent_shape, scale, cost, budget_bytes, halo_px=halo_px, tile=None, overlap=overlap,
+                        chunk_frames=chunk_frames, align=align, spatial_supported=spatial_supported,
+                        temporal_supported=temporal_supported, out_frames=out_frames,
+                        auto_chunk_frames=auto_chunk_frames, tile_out_frames=tile_out_frames)
+        return replace(p, reason=f"tile_size covers the whole {h * scale}x{w * scale}px frame, so no tiles were "
+                                 f"asked for; {p.reason}")
     frame_px = h * w * scale * scale
     video = len(latent_shape) == 5
     n_out = int(out_frames) if out_frames else t
@@ -112,12 +120,12 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
             return int((cost.stream_base_bytes_per_px + cost.stream_frame_bytes_per_px * frames) * frame_px)
         return int(cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
 
-    if tile is None or (tile >= h and tile >= w):
+    if tile is None:
         chunks_possible = video and temporal_supported and chunk_frames is not None
-        if tile is None and whole_peak(b) <= budget and not chunks_possible:
+        if whole_peak(b) <= budget and not chunks_possible:
             return TilePlan("whole", b, None, 0, None, whole_peak(b), budget,
                             "the whole decode fits the budget: no tiling (identical to VAEDecode)")
-        if video and temporal_supported and tile is None:
+        if video and temporal_supported:
             cf = chunk_frames or auto_chunk_frames
             if streamed and chunk_frames is None:
                 # streaming recomputes each unit's context per chunk: the longest chunk that fits wastes least
@@ -131,18 +139,15 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
                                 f"chunks with {how}")
         if not video:
             b_fit = int(budget // max(1, whole_peak(1)))
-            if b_fit >= 1 and tile is None:
+            if b_fit >= 1:
                 return TilePlan("whole", min(b, b_fit), None, 0, None, whole_peak(min(b, b_fit)), budget,
                                 f"one image fits, {b} do not: decoding {min(b, b_fit)} at a time (batch slicing)")
             layered = int(cost.layered_bytes_per_px * frame_px)
-            if tile is None and cost.layered_bytes_per_px > 0 and layered <= budget:
+            if cost.layered_bytes_per_px > 0 and layered <= budget:
                 return TilePlan("layered", 1, None, 0, None, layered, budget,
                                 f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: the high-resolution stages "
                                 "run module by module in row bands with exact whole-image GroupNorm statistics "
                                 "(the untiled result up to float rounding; no recomputed tiles)")
-        if tile is not None:
-            return TilePlan("whole", 1 if video else b, None, 0, None, whole_peak(1 if video else b), budget,
-                            f"tile_size covers the whole {h * scale}x{w * scale}px frame: no tiling")
 
     if not spatial_supported:
         need = whole_peak(1) if not video else chunk_peak(1)
@@ -209,8 +214,10 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         ratio = work / (h * w)
         return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget,
                         f"the whole decode needs {whole_peak(1) / GIB:.3f} GiB: {n} tiles that fit, shaped for the "
-                        f"least recomputed overlap (tail work {ratio:.2f}x of untiled); overlap covers 2 x the "
-                        f"receptive field so tiles are exact", ov >= min_overlap, work_ratio=ratio)
+                        f"least recomputed overlap (tail work {ratio:.2f}x of untiled); "
+                        + ("overlap covers 2 x the receptive field so tiles are exact" if ov >= min_overlap else
+                           f"overlap {ov * scale}px is below the decoder's receptive field ({2 * halo_px + 1:.0f}px "
+                           "needed): seams are blended, not exact"), ov >= min_overlap, work_ratio=ratio)
     smallest = (min(ov + a, h), min(ov + a, w))
     raise BudgetExceeded(tile_peak(smallest), budget, "VAE decode (smallest tile)",
                          "Free memory (unload other models), lower the resolution, or decode on the CPU.")

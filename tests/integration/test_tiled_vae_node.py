@@ -172,7 +172,7 @@ def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode
     ref = comfy_env.nodes.VAEDecodeTiled().decode(kl_vae, latent, side, side // 4, 64, 8)[0]
     assert torch.equal(img, ref)
     monkeypatch.undo()
-    with pytest.raises(BudgetExceeded):
+    with pytest.raises(BudgetExceeded, match=r"but only 0\.2 MiB is available.*Raise memory_budget_gb to at least"):
         run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.0002)
 
 
@@ -194,6 +194,10 @@ def test_wan_temporal_chunks_match_untiled(comfy_env, wan_vae):
     if pairs:
         assert "chunk=2 latent frame(s)" in report and "own calls" in report
     assert torch.equal(ours, ref), p_ours        # same computation as VAEDecode: bit-exact on the CPU
+    # VAEDecodeTiled-style settings: a tile covering the frame asks for no spatial tiles, not for no chunks
+    covered, report = run_node(comfy_env, latent, wan_vae, tile_size=1024, temporal_size=4, memory_budget_gb=64)
+    assert "mode=temporal" in report and "tile_size covers the whole 96x128px frame" in report, report
+    assert torch.equal(covered, ref)
 
 
 def test_wan_spatial_tiles_beat_vaedecodetiled(comfy_env, wan_vae):
@@ -618,6 +622,19 @@ def test_ltx_spatial_tiles_are_exact(comfy_env):
     p, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
     print(f"\nLTX tiles (256 px): Levers {p:.1f} dB, VAEDecodeTiled (256 / 64) {p_comfy:.1f} dB\n{report}")
     assert p >= 60 and p >= p_comfy + 10, report
+
+
+def test_ltx_sizes_below_its_32px_scale_round_the_safe_way(comfy_env):
+    """LTX decodes 32 px per latent px: a tile below that is a clear error naming the value typed, and a
+    non-zero overlap below it rounds up to one latent px instead of down to 0 (hard seams: 28.7 dB)."""
+    from comfyui_levers.core.errors import ConfigError
+
+    vae = ltx_vae(False)
+    latent = {"samples": smooth_latent((1, 128, 2, 4, 16), 8)}
+    with pytest.raises(ConfigError, match=r"tile_size=16 is not valid: expected 0 \(auto\) or at least 32 px"):
+        run_node(comfy_env, latent, vae, tile_size=16)
+    _, report = run_node(comfy_env, latent, vae, tile_size=256, overlap=24)
+    assert "overlap=32px" in report and "overlap=0px" not in report, report
 
 
 def _without_decode_noise(vae):
