@@ -170,13 +170,15 @@ class CudaTransport(Transport):
         self.timed = timed
 
     def copy_to_device(self, src, dst=None, tag=""):
-        if dst is None:
-            # allocated on the compute stream that will use it, so the caching allocator does not hand the block
-            # to another copy while compute still reads it; the copy waits for compute's earlier use of the block
-            dst = torch.empty_like(src, device=self.device)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            fresh = dst is None
+            if fresh:
+                dst = torch.empty_like(src, device=self.device)
             dst.copy_(src, non_blocking=True)
+        if fresh:
+            # allocated from the copy stream's pool but read by compute: once freed, the caching allocator must
+            # not hand the block to a later copy until compute's reads are done
+            dst.record_stream(torch.cuda.current_stream(self.device))
         self.ledger.add("h2d", tensor_nbytes(src), tag)
         return dst
 
