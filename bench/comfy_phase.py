@@ -75,7 +75,7 @@ class Scale:
 
 SCALES = {
     # seconds on 2 CPU cores: every code path, nothing that matters for memory
-    "cpu": Scale("cpu", dit_dim=256, dit_ffn=512, dit_layers=2, te_layers=2, te_heads=1, te_d_kv=8, te_d_ff=16, vae_dim=16,
+    "cpu": Scale("cpu", dit_dim=256, dit_ffn=512, dit_layers=6, te_layers=2, te_heads=1, te_d_kv=8, te_d_ff=16, vae_dim=16,
                  width=64, height=64, frames=5, steps=2, cfg=2.0, dtype="fp32", budget_extra_gib=1.5,
                  te_min_length=32),
     # ~4.1 GB DiT (2.0 B params: Wan 2.1 blocks at dim 2048), ~3.1 GB text encoder (8 blocks of
@@ -805,6 +805,11 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
                     with contextlib.suppress(Exception):
                         bridge.remove_phase_offload(p if not hasattr(p, "patcher") else p.patcher)
 
+    if clock.left() > 20:         # its own emulated card: a quarter of the DiT fits
+        result["group_prefetch"] = prefetch_in_comfy(env, sc, dev, clock, model, result)
+    else:
+        result["group_prefetch"] = {"status": "skipped", "reason": f"{clock.left():.0f} s left of the deadline"}
+
     d, p = result["default"] or {}, result["phase_offload"] or {}
     if d.get("total_s") and p.get("total_s"):
         result["ratio_total_time"] = round(p["total_s"] / d["total_s"], 4)
@@ -822,6 +827,87 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
     result["reason"] = "; ".join(f"{n}: {r.get('status')} ({r.get('reason')})" for n, r in
                                  (("default", d), ("phase_offload", p)) if r.get("status") != "ok") or "flow missing"
     return "partial"
+
+
+def _levers_node(name: str):
+    import_phase_bridge()                      # makes comfyui_levers importable from this checkout
+    nodes_mod = importlib.import_module("comfyui_levers.nodes")
+    return next(c for c in nodes_mod.NODE_CLASSES if c.__name__ == name)
+
+
+def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, result: dict[str, Any]) -> dict[str, Any]:
+    """GroupPrefetch through its node inside ComfyUI against ComfyUI's own lowvram, DiT only (random conditioning,
+    no text encoder or VAE): on a card that holds about a quarter of the DiT plus room for activations. Warm-up
+    and measured sampling per flow at the workload's latent, bit-equality of the latents; then the same clone at
+    a longer video (more activations, so the auto budget streams more: the placement the first run left must be
+    undone) against ComfyUI at that size. On the CPU no card is emulated: the node gets an explicit budget of 75 % of
+    the DiT, ComfyUI loads everything, and only the code path and bit-equality mean anything."""
+    nodes, mm = env.nodes, env.mm
+    out: dict[str, Any] = {"status": "running", "reason": None}
+    dit = result["sizes"]["dit"]
+    dtype = DTYPES[sc.dtype]
+    g = torch.Generator().manual_seed(11)
+    tokens = 512 if sc.name == "gpu" else 16
+    pos = [[torch.randn(1, tokens, 4096, generator=g).to(dtype), {}]]
+    neg = [[torch.randn(1, tokens, 4096, generator=g).to(dtype) * 0.1, {}]]
+    t_a, t_b = (sc.frames - 1) // 4 + 1, (2 * sc.frames - 2) // 4 + 1
+    shape_a = (1, 16, t_a, sc.height // 8, sc.width // 8)
+    shape_b = (1, 16, t_b, sc.height // 8, sc.width // 8)
+    card = int(0.25 * dit + 2.5 * GIB) if dev.type == "cuda" else None
+    node_budget_gb = 0.0 if dev.type == "cuda" else round(0.75 * dit / GIB, 6)   # one resident block + slots
+    out.update(card_gib=_gib(card), node_vram_budget_gb=node_budget_gb or "auto", latent_a=list(shape_a),
+               latent_b=list(shape_b), text_tokens=tokens)
+
+    def sample(m, shape):
+        _sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        lat = nodes.common_ksampler(m, 0, sc.steps, sc.cfg, "euler", "simple", pos, neg,
+                                    {"samples": torch.zeros(shape)})[0]["samples"]
+        _sync(dev)
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        return lat, round(time.perf_counter() - t0, 4), peak
+
+    def same(a, b):
+        return bool(a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+    with emulated_card(mm, dev, card):
+        try:
+            _unload_all(env, dev)
+            clock.need(5, "GroupPrefetch in ComfyUI: ComfyUI lowvram warm-up")
+            sample(model, shape_a)
+            ref_a, out["comfy_s"], out["comfy_peak_bytes"] = sample(model, shape_a)
+            _unload_all(env, dev)
+            clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch in ComfyUI: GroupPrefetch")
+            clone, report = _levers_node("LeversGroupPrefetch").execute(model, vram_budget_gb=node_budget_gb).args
+            from comfyui_levers.bridge.prefetch import prefetch_state
+            state = prefetch_state(clone)
+            sample(clone, shape_a)
+            got_a, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape_a)
+            out["bit_identical"] = same(got_a, ref_a)
+            out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
+            out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
+            out["levers_report"] = state.last_report
+            _log(f"GroupPrefetch in ComfyUI: {out['levers_s']:.2f}s vs ComfyUI {out['comfy_s']:.2f}s per sampling "
+                 f"(ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
+            clock.need(3 * out["levers_s"] + 5, "GroupPrefetch in ComfyUI: the longer video")
+            got_b, out["levers_b_s"], out["levers_b_peak_bytes"] = sample(clone, shape_b)   # same clone, no unload
+            out["levers_b_report"] = state.last_report
+            out["levers_b_unloaded_stale"] = "unloaded this model first" in (state.last_report or "")
+            _unload_all(env, dev)
+            ref_b, out["comfy_b_s"], out["comfy_b_peak_bytes"] = sample(model, shape_b)
+            out["bit_identical_b"] = same(got_b, ref_b)
+            out["status"] = "ok"
+        except OutOfTime as exc:
+            out.update(status="partial", reason=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
+            out.update(status="oom" if _is_oom(exc) else "error", reason=_short(exc),
+                       traceback=traceback.format_exc()[-8000:])
+            _log(f"GroupPrefetch in ComfyUI: {out['status']}: {_short(exc, 300)}")
+        finally:
+            _unload_all(env, dev)
+    return out
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:

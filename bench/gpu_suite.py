@@ -2488,6 +2488,17 @@ def build_summary(results: dict) -> dict[str, Any]:
         None if ratio is None else ratio <= 1.0, bit_identical=cp.get("bit_identical"),
         definition="seconds per generation (encode + sample + decode) through PhaseOffload / ComfyUI's default "
                    "flow, same graph, same emulated budget, inside ComfyUI")
+    gp = cp.get("group_prefetch") or {}
+    gp_ratio = gp.get("ratio_time")
+    summary["prefetch_in_comfy_vs_lowvram"] = _metric(
+        rnd(gp_ratio, 3) if gp_ratio is not None else None,
+        _section_reason(results, "comfy_phase") or gp.get("reason") or "not measured", "<= 0.77 (>= 1.3x faster)",
+        None if gp_ratio is None else gp_ratio <= 1 / 1.3,
+        bit_identical=gp.get("bit_identical"), bit_identical_longer_video=gp.get("bit_identical_b"),
+        longer_video_unloaded_stale=gp.get("levers_b_unloaded_stale"), card_gib=gp.get("card_gib"),
+        definition="seconds per sampling run (DiT only) through the GroupPrefetch node (auto budget) / ComfyUI's "
+                   "lowvram, same emulated card (a quarter of the DiT + 2.5 GiB), inside ComfyUI; then the same clone "
+                   "at a longer video, bit-compared with ComfyUI there")
     dyn = results.get("sections", {}).get("dynamic", {})
     dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
     dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)

@@ -84,6 +84,14 @@ def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
     assert p["bytes"]["d2h_bytes"] == 0
     assert "PhaseOffload" in p["report"]
 
+    # GroupPrefetch through its node, DiT only, same sampler: bit-identical to ComfyUI at both video lengths,
+    # and it streamed (on the CPU with an explicit budget: ComfyUI itself loads everything there)
+    gp = res["group_prefetch"]
+    assert gp["status"] == "ok", (gp.get("reason"), gp.get("traceback"))
+    assert gp["bit_identical"] is True and gp["bit_identical_b"] is True
+    assert gp["levers_stats"]["streamed_groups"] >= 1 and gp["levers_stats"]["streamed_bytes_per_forward"] > 0
+    assert "GroupPrefetch" in gp["levers_report"] and gp["ratio_time"] > 0
+
 
 class _FakeCuda:
     """Stands in for the few torch.cuda calls the CUDA-only helpers make (no GPU here)."""
