@@ -71,3 +71,42 @@ def test_auto_mode_follows_the_default_and_the_environment(monkeypatch):
     q.use_fp8_compute = False
     assert q.fp8_compute == "off"
     assert not q._fp8_fast_path(torch.randn(4, 256, dtype=torch.bfloat16))   # CPU input: never the fp8 GEMM
+
+
+def test_a_gemm_mode_the_gpu_lacks_falls_back_once_instead_of_failing_the_forward(monkeypatch):
+    """Some torch builds have no rowwise fp8 GEMM for a GPU (sm_89 / sm_120 in some releases): the forward falls
+    back to tensorwise, then to the dequantized matmul, remembers the failure per device (the failing kernel is
+    not tried again) and says so in fp8_mode_failures(). An out-of-memory error is not a missing kernel."""
+    import comfyui_levers.core.quant.fp8 as fp8
+
+    lin, q = _layer("per_row")
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, q.dequantize(x.dtype, x.device), q.bias)
+    calls: list[str] = []
+    broken = {"rowwise"}
+
+    def fake_scaled_mm_linear(x_, codes, scale, gran, bias, mode="tensorwise"):
+        calls.append(mode)
+        if mode in broken:
+            raise RuntimeError(f"{mode} scaling is not currently supported on your device")
+        return torch.full((x_.shape[0], codes.shape[0]), 7.0, dtype=x_.dtype)
+    monkeypatch.setattr(fp8, "scaled_mm_linear", fake_scaled_mm_linear)
+    monkeypatch.setattr(QuantLinear, "_fp8_fast_path", lambda self, x_: True)
+    monkeypatch.setattr(qlinear, "_FP8_MODE_FAILED", {})
+    q.fp8_compute = "rowwise"
+    assert torch.equal(q(x), torch.full((4, 96), 7.0, dtype=torch.bfloat16))     # tensorwise answered
+    assert calls == ["rowwise", "tensorwise"]
+    q(x)
+    assert calls == ["rowwise", "tensorwise", "tensorwise"]                      # rowwise not tried again
+    assert "rowwise@cpu" in qlinear.fp8_mode_failures()
+    broken.add("tensorwise")
+    assert torch.equal(q(x), ref) and calls[-1] == "tensorwise"                  # then the dequantized matmul
+    assert torch.equal(q(x), ref) and len(calls) == 4
+    monkeypatch.setattr(qlinear, "_FP8_MODE_FAILED", {})
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(fp8, "scaled_mm_linear", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        q(x)
+    assert not qlinear.fp8_mode_failures()

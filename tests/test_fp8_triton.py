@@ -64,3 +64,23 @@ def test_cuda_kernel_matches_the_eager_fallback_bit_for_bit():
         q_ref = (x.float() / s_ref).clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(s, s_ref), cols
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), cols
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernel_addresses_rows_past_2_to_the_31_elements():
+    """HunyuanVideo 720p x 129 frames with cond + uncond batched feeds ~3.7e9 elements to one linear: row offsets
+    must be 64-bit (they were int32 and would wrap)."""
+    from comfyui_levers.core.quant import fp8_triton as ft
+    if not ft.triton_rows_available(torch.zeros(1, 8, device="cuda")):
+        pytest.skip("Triton unavailable on this CUDA machine")
+    cols = 15360
+    rows = (2 ** 31) // cols + 64                       # the last rows start past element 2**31
+    if torch.cuda.mem_get_info()[0] < rows * cols * 4 + (1 << 30):
+        pytest.skip("not enough free GPU memory for 2**31 elements")
+    x = torch.zeros(rows, cols, device="cuda", dtype=torch.bfloat16)
+    x[-1] = torch.linspace(-3, 5, cols, device="cuda").bfloat16()
+    q, s = ft._launch(x)
+    assert float(s[-1]) == pytest.approx(5.0 / 448.0, rel=1e-6)
+    assert torch.equal(q[-1].float(), (x[-1].float() / s[-1]).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert float(s[0]) == pytest.approx(1e-12)           # an all-zero row: the scale's floor

@@ -8,6 +8,7 @@ dequantizes on the input's device in the input's dtype at every call.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Callable, Iterable
 
@@ -24,6 +25,30 @@ from .fp8 import FP8_COMPUTE_MODES
 # on an H200 (bench/results/2026-11-30-h200-d): whole FLUX-shaped step 1.05x bf16, Wan-shaped 1.16x;
 # the dequantize path ("off") ran 0.71x / 0.89x.
 DEFAULT_FP8_COMPUTE = "rowwise"
+
+
+# fp8 GEMM modes that raised on a device (torch builds without the rowwise kernel for a GPU, e.g. sm_89 / sm_120
+# in some releases): (mode, device) -> the error. A failed mode is not tried again on that device; the layer falls
+# back to the next mode, then to dequantizing, instead of failing the forward.
+_FP8_MODE_FAILED: dict[tuple[str, str], str] = {}
+_FALLBACK = {"rowwise": ("rowwise", "tensorwise"), "tensorwise": ("tensorwise",), "off": ()}
+
+
+def _fp8_modes_to_try(mode: str, device: torch.device) -> list[str]:
+    return [m for m in _FALLBACK.get(mode, ()) if (m, str(device)) not in _FP8_MODE_FAILED]
+
+
+def _fp8_mode_failed(mode: str, device: torch.device, error: BaseException) -> None:
+    _FP8_MODE_FAILED[(mode, str(device))] = f"{type(error).__name__}: {error}"
+    nxt = _fp8_modes_to_try(mode, device)
+    logging.getLogger("levers").warning(
+        "levers: fp8 %s GEMM failed on %s (%s); using %s from now on", mode, device, str(error)[:200],
+        nxt[0] if nxt else "the dequantized bf16 matmul")
+
+
+def fp8_mode_failures() -> dict[str, str]:
+    """Which fp8 GEMM modes failed on which device this process, for reports ("mode@device": error)."""
+    return {f"{m}@{d}": e for (m, d), e in _FP8_MODE_FAILED.items()}
 
 
 class QuantLinear(nn.Module):
@@ -90,7 +115,13 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fp8_fast_path(x):
             from .fp8 import scaled_mm_linear
-            return scaled_mm_linear(x, self.weight, self.weight_scale, self.granularity, self.bias, self._fp8_mode())
+            for mode in _fp8_modes_to_try(self._fp8_mode(), x.device):
+                try:
+                    return scaled_mm_linear(x, self.weight, self.weight_scale, self.granularity, self.bias, mode)
+                except RuntimeError as e:
+                    if isinstance(e, torch.OutOfMemoryError):
+                        raise
+                    _fp8_mode_failed(mode, x.device, e)
         w = self.dequantize(x.dtype, x.device)                                # (out, in)
         b = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, b)
