@@ -65,3 +65,20 @@ def comfy_device_facts() -> dict:
     except (RuntimeError, AttributeError, TypeError):
         pass
     return out
+
+
+def unload_entries_of(module) -> int:
+    """Have ComfyUI unload every loaded model whose torch module is ``module`` (any clone of its patcher), so the
+    module's weights are unpatched and back on the offload device; returns how many entries it unloaded."""
+    mm = _mm()
+    if mm is None:
+        return 0
+    loaded = mm.current_loaded_models
+    mine = [i for i, lm in enumerate(loaded)
+            if getattr(lm, "model", None) is not None and getattr(lm.model, "model", None) is module]
+    done = 0
+    for i in reversed(mine):
+        if loaded[i].model_unload():
+            loaded.pop(i)
+            done += 1
+    return done

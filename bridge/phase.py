@@ -42,6 +42,7 @@ from ..core.residency.phase import MasterTable, swap_module_to
 from ..core.residency.pinned import PinMode, PinnedStore
 from ..core.residency.transport import make_transport
 from .inputs import require_clip, require_model, require_vae
+from .comfy_mode import unload_entries_of
 
 log = logging.getLogger("levers")
 
@@ -772,6 +773,9 @@ def retype_text_encoder(clip, dtype: torch.dtype):
     its module are untouched). Costs host RAM for the copy; saves ComfyUI's per-op weight casts."""
     new = clip.clone()
     src = clip.cond_stage_model
+    # a CLIP ComfyUI holds loaded carries its LoRA in the module's weights (and on the GPU): copy it unpatched
+    # from the offload device, or the copy would bake the LoRA in and its patches would apply it again
+    unload_entries_of(src)
     module = copy.deepcopy(src).to(device=clip.patcher.offload_device, dtype=dtype)
     for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False),
                         ("current_weight_patches_uuid", None), ("model_offload_buffer_memory", 0)):

@@ -35,7 +35,7 @@ from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
     measure_bandwidth, spend_leftover
 from ..core.residency.transport import Transport, make_transport
-from .comfy_mode import dynamic_vram_active, patcher_is_dynamic
+from .comfy_mode import dynamic_vram_active, patcher_is_dynamic, unload_entries_of
 from .inputs import require_model
 
 log = logging.getLogger("levers")
@@ -238,18 +238,11 @@ class _Session:
         changed, another split; or a clone loaded without this node), ComfyUI unloads that model first. ComfyUI
         never moves a loaded module back because the load list shrank, and streamed blocks left half on the
         device would have to be skipped. Returns what was done, for the report."""
-        import comfy.model_management as mm
-
         tails = self.tails
         stale = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
         if not stale:
             return None
-        root = self.patcher.model
-        mine = [i for i, lm in enumerate(mm.current_loaded_models)
-                if getattr(lm, "model", None) is not None and getattr(lm.model, "model", None) is root]
-        for i in reversed(mine):
-            if mm.current_loaded_models[i].model_unload():
-                mm.current_loaded_models.pop(i)
+        unload_entries_of(self.patcher.model)
         self.unloaded_stale = (f"ComfyUI unloaded this model first: {len(set(stale))} blocks streamed this run "
                                "were still on the device from an earlier load with more resident")
         log.info("levers: %s", self.unloaded_stale)

@@ -197,6 +197,28 @@ def test_text_encoder_on_cpu_gets_fp32_weights_without_touching_the_input(comfy_
     assert kept.cond_stage_model is clip.cond_stage_model       # no copy when nothing changes
 
 
+def test_a_loaded_lora_clip_is_copied_unpatched_so_its_lora_applies_once(comfy_env, tiny_wan):
+    """The fp32 private copy was deep-copied from the module as ComfyUI held it: with a LoRA CLIP loaded (an
+    earlier CLIPTextEncode), the LoRA was baked into the copy and applied again by its patches after the next
+    unload. Now ComfyUI unloads that CLIP first and the copy is of the unpatched weights."""
+    comfy_env.mm.unload_all_models()
+    base = _stand_in_clip(comfy_env)
+    w0 = base.cond_stage_model[0].weight.detach().float().clone()
+    delta = torch.full((8, 8), 0.25, dtype=torch.float16)
+    lora = base.clone()                                  # LoraLoader on the CLIP
+    lora.add_patches({"0.weight": (delta,)}, 1.0)
+    lora.load_model()                                    # an earlier encode with it: patched in the module
+    assert not torch.equal(base.cond_stage_model[0].weight.float(), w0)
+    want = w0 + delta.float()
+    _, c, _, _ = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu")
+    assert torch.equal(base.cond_stage_model[0].weight.float(), w0)        # ComfyUI unpatched it first
+    for _ in range(2):                                   # each encode, with an unload in between
+        c.load_model()
+        assert torch.allclose(c.cond_stage_model[0].weight.float(), want, atol=1e-2)
+        comfy_env.mm.unload_all_models()
+    assert torch.equal(c.cond_stage_model[0].weight.float(), w0)
+
+
 def test_invalid_settings_name_the_field(comfy_env, tiny_wan):
     from comfyui_levers.core.errors import ConfigError
 
