@@ -766,6 +766,11 @@ def live_ledgers() -> list[dict[str, Any]]:
 def _set_load_device(patcher, device: torch.device | None) -> None:
     if device is not None:
         patcher.load_device = device
+        # a DynamicVRAM patcher keeps pin state per load device; ComfyUI's own device selectors register the
+        # new one after retargeting, and its next load raises KeyError without it
+        register = getattr(patcher, "register_load_device", None)
+        if callable(register):
+            register(device)
 
 
 def retype_text_encoder(clip, dtype: torch.dtype):

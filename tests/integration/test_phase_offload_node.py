@@ -219,6 +219,30 @@ def test_a_loaded_lora_clip_is_copied_unpatched_so_its_lora_applies_once(comfy_e
     assert torch.equal(c.cond_stage_model[0].weight.float(), w0)
 
 
+def test_placing_a_dynamic_vram_component_registers_its_device(comfy_env, tiny_wan, monkeypatch):
+    """ComfyUI 0.33's DynamicVRAM patcher keeps pin state per load device (``register_load_device``, which its own
+    device selectors call after retargeting). Placing a component elsewhere must register the device, or ComfyUI's
+    next use of the patcher raises KeyError. No GPU here: aimdo's host buffer is a stand-in."""
+    import comfy.model_patcher as mp
+    import comfy.sd
+    if not hasattr(mp.ModelPatcher, "register_load_device") and not hasattr(mp, "ModelPatcherDynamic"):
+        pytest.skip("this ComfyUI has no DynamicVRAM patcher (0.15+)")
+    import comfy_aimdo.host_buffer
+    monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", lambda *a, **k: object())
+    module = nn.Sequential(nn.Linear(8, 8))
+    dyn = mp.ModelPatcherDynamic(module, load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+    assert dyn.is_dynamic()
+    clip = comfy.sd.CLIP(no_init=True)
+    clip.cond_stage_model, clip.patcher = module, dyn
+    clip.tokenizer, clip.layer_idx, clip.tokenizer_options = None, None, {}
+    clip.use_clip_schedule, clip.apply_hooks_to_conds = False, None
+    _, c, _, _ = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
+    assert c.patcher.is_dynamic() and c.patcher.load_device == torch.device("cpu")
+    assert torch.device("cpu") in c.patcher.model.dynamic_pins
+    c.patcher.set_in_use_by_current_prompt(True)         # what ComfyUI does for every model of a prompt
+    c.patcher.set_in_use_by_current_prompt(False)
+
+
 def test_invalid_settings_name_the_field(comfy_env, tiny_wan):
     from comfyui_levers.core.errors import ConfigError
 
