@@ -107,3 +107,43 @@ def test_same_load_and_offload_device_is_left_alone():
     with swap_module_to(table, CPU, CPU):
         m.to(CPU)
     assert tr.ledger.h2d_bytes == 0 and _ptrs(m)["1.weight"] == table.masters["1.weight"].host.data_ptr()
+
+
+def test_a_parameter_rewrapped_around_our_device_copy_is_still_swapped_back():
+    """ComfyUI's mixed-precision layers (QuantizedTensor weights, which have no master, so the real Module.to runs)
+    re-wrap every parameter in a new Parameter in ``_apply``, sharing the storage our copy put there. Offload is
+    still a pointer swap for those (it was refused, and ComfyUI copied the untouched bias back device->host);
+    a new tensor in the slot is not swapped."""
+    lin = nn.Linear(4, 4)
+    t, tr = _table(lin)
+    master_b, master_w = t.masters["bias"].host, t.masters["weight"].host
+    t.onload(lin, CPU)
+    assert lin.bias.data_ptr() != master_b.data_ptr()
+    for k, p in list(lin._parameters.items()):              # what MixedPrecisionOps._apply does
+        lin.register_parameter(k, nn.Parameter(p.to(CPU), requires_grad=False))
+    lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=False)   # really new memory
+    swapped, left = t.offload(lin)
+    assert lin.bias.data_ptr() == master_b.data_ptr() and swapped == master_b.nbytes
+    assert lin.weight.data_ptr() != master_w.data_ptr()     # not ours: left alone
+
+
+def test_an_onload_that_fails_part_way_still_orders_compute_after_the_copies_it_issued():
+    """An allocation failing part way through an onload (out of memory): the copies already issued are in
+    flight, and ComfyUI will move the weights back and free them. Compute must wait for those copies first."""
+    import pytest
+
+    m = _model()
+    t, tr = _table(m)
+    real_empty, count = tr.empty, {"n": 0}
+
+    def empty(shape, dtype):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise torch.OutOfMemoryError("stand-in: out of memory on the third weight")
+        return real_empty(shape, dtype)
+    tr.empty = empty
+    with pytest.raises(torch.OutOfMemoryError):
+        t.onload(m, CPU)
+    kinds = [(o.kind, o.tag) for o in tr.ops]
+    last_copy = max(i for i, (k, _) in enumerate(kinds) if k == "h2d")
+    assert ("record", "onload:dit") in kinds[last_copy:] and ("wait", "onload:dit") in kinds[last_copy:], kinds

@@ -532,11 +532,18 @@ def _same_inner(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # --- masters for a module someone else moves (ComfyUI's ModelPatcher) -------------------------------
 
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage: the same for every tensor object that shares it, new for memory that was
+    freed and handed out again at the same address."""
+    return t.untyped_storage()._cdata
+
+
 @dataclass
 class _Master:
     host: torch.Tensor              # the host tensor (shares storage with what the module held)
     dev_ptr: int = 0                # data_ptr of the device copy we made (0: none outstanding)
-    dev_obj: int = 0                # id() of the tensor object we bound it to
+    dev_storage: int = 0            # the device copy's storage (a tensor object re-wrapped around the same
+                                    # storage, as ComfyUI's mixed-precision layers do in ``_apply``, is still it)
     dev_version: int | None = None  # that object's _version right after binding
 
 
@@ -614,23 +621,26 @@ class MasterTable:
             # into memory that compute issued earlier may still read
             self.transport.wait_compute(tag)
             done: set[int] = set()
-            for name, _, _, _, t in _named_tensor_slots(module, prefix):
-                m = self.masters.get(name)
-                if t.data_ptr() in done:
-                    continue                                      # a tied twin, already rebound
-                if m is None or t.data_ptr() != m.host.data_ptr() or t.shape != m.host.shape:
-                    if not (m is not None and m.dev_ptr == t.data_ptr()) and (device is None or t.device != device):
-                        left += 1
-                    continue
-                dev = self.transport.copy_to_device(m.host, self.transport.empty(tuple(m.host.shape), m.host.dtype),
-                                                    tag=tag)
-                rebind(t, dev)
-                m.dev_ptr, m.dev_obj, m.dev_version = dev.data_ptr(), id(t), _version(t)
-                done.add(dev.data_ptr())
-                moved += tensor_nbytes(m.host)
-            if moved:
-                # compute must not read a weight before its copy has landed
-                self.transport.wait(self.transport.record(tag), tag)
+            try:
+                for name, _, _, _, t in _named_tensor_slots(module, prefix):
+                    m = self.masters.get(name)
+                    if t.data_ptr() in done:
+                        continue                                      # a tied twin, already rebound
+                    if m is None or t.data_ptr() != m.host.data_ptr() or t.shape != m.host.shape:
+                        if not (m is not None and m.dev_ptr == t.data_ptr()) and (device is None or t.device != device):
+                            left += 1
+                        continue
+                    dev = self.transport.copy_to_device(m.host, self.transport.empty(tuple(m.host.shape),
+                                                                                     m.host.dtype), tag=tag)
+                    rebind(t, dev)
+                    m.dev_ptr, m.dev_storage, m.dev_version = dev.data_ptr(), _storage_id(t), _version(t)
+                    done.add(dev.data_ptr())
+                    moved += tensor_nbytes(m.host)
+            finally:
+                if done:
+                    # compute must not read a weight before its copy has landed; nor, when an allocation failed
+                    # part way (ComfyUI then moves the weights back and frees the copies), reuse their memory
+                    self.transport.wait(self.transport.record(tag), tag)
         return moved, left
 
     def offload(self, module: torch.nn.Module) -> tuple[int, int]:
@@ -646,7 +656,7 @@ class MasterTable:
                 m = self.masters.get(name)
                 if t.data_ptr() == (m.host.data_ptr() if m else -1):
                     continue                                      # already home (tied twin)
-                if (m is not None and m.dev_ptr and t.data_ptr() == m.dev_ptr and id(t) == m.dev_obj
+                if (m is not None and m.dev_ptr and t.data_ptr() == m.dev_ptr and _storage_id(t) == m.dev_storage
                         and _version(t) == m.dev_version and t.shape == m.host.shape):
                     rebind(t, m.host)
                     m.dev_ptr = 0
