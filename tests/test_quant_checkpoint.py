@@ -227,3 +227,54 @@ def test_cli_quantize_and_exit_codes(src, tmp_path, capsys):
     loaded = load_file(out)
     assert "blocks.1.self_attn.q.levers_quant" in loaded
     assert "blocks.0.self_attn.q.levers_quant" not in loaded and "blocks.1.ffn.0.levers_quant" not in loaded
+
+
+def test_bad_files_and_settings_are_clear_errors_before_anything_is_written(src, tmp_path):
+    """Found by review: each of these wrote a useless file with exit 0, or ended in a traceback."""
+    out = tmp_path / "out.safetensors"
+    # nf4 block sizes bitsandbytes does not take (it kept every layer and wrote an unquantized "nf4" file)
+    if get_quantizer("nf4").available()[0]:
+        with pytest.raises(ValueError, match=r"block_size=32 is not valid: expected for nf4: one of 64, 128"):
+            QuantConfig("nf4", block_size=32)
+    # weights that are already fp8 codes (no scales): quantizing them again only adds rounding
+    codes = tmp_path / "codes.safetensors"
+    save_file({k: (v.to(torch.float8_e4m3fn) if v.ndim == 2 else v) for k, v in wan_state_dict().items()}, str(codes))
+    with pytest.raises(ValueError, match="already F8_E4M3 codes"):
+        ckpt.quantize_file(str(codes), str(out), QuantConfig("fp8_e4m3fn"), measure=False)
+    # a file that is not safetensors
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(os.urandom(200))
+    with pytest.raises(ValueError, match="IN=.* is not valid: expected a .safetensors file"):
+        ckpt.quantize_file(str(junk), str(out), QuantConfig("fp8_e4m3fn"), measure=False)
+    # OUT is a folder (IsADirectoryError after all the work, even with --force)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        ckpt.quantize_file(src, str(tmp_path / "folder"), QuantConfig("fp8_e4m3fn"), force=True, measure=False)
+    # nothing the census would quantize (exit 0 and a copy of the input before)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"encoder.conv.weight": torch.randn(8, 8, 3, 3), "encoder.norm.weight": torch.ones(8)}, str(plain))
+    with pytest.raises(ValueError, match="nothing in plain.safetensors matched"):
+        ckpt.quantize_file(str(plain), str(out), QuantConfig("fp8_e4m3fn"), measure=False)
+    assert not out.exists()
+    assert cli_main(["quantize", str(junk), str(out), "--format", "fp8_e4m3fn"]) == 2
+
+
+def test_a_full_checkpoint_quantizes_its_diffusion_model_whatever_else_it_holds(tmp_path):
+    """Checkpoints that bundle text encoders and a VAE (e.g. SD3.5 with CLIP-L/G and T5) can hold more of their keys
+    than the diffusion model: the census still finds model.diffusion_model.* (as ComfyUI does) and keeps the rest."""
+    sd = {f"model.diffusion_model.{k}": v for k, v in wan_state_dict().items()}
+    for i in range(60):
+        sd[f"text_encoders.t5xxl.transformer.encoder.block.{i}.layer.0.SelfAttention.q.weight"] = \
+            torch.randn(64, 64).to(torch.bfloat16)
+    plan = census({k: tuple(v.shape) for k, v in sd.items()}, config=QuantConfig("fp8_e4m3fn"))
+    assert plan.arch == "wan" and plan.quantized
+    assert all(e.key.startswith("model.diffusion_model.blocks.") for e in plan.quantized)
+    outside = [e for e in plan.kept if e.key.startswith("text_encoders.")]
+    assert len(outside) == 60 and all("outside the diffusion model" in e.reason for e in outside)
+    src_path, out = tmp_path / "full.safetensors", tmp_path / "full_fp8.safetensors"
+    save_file(sd, str(src_path))
+    report = ckpt.quantize_file(str(src_path), str(out), QuantConfig("fp8_e4m3fn"), measure=False)
+    assert len(report.layers) == len(plan.quantized)
+    with safe_open(str(out), framework="pt") as f:
+        assert torch.equal(f.get_tensor("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"),
+                           sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"])

@@ -170,9 +170,17 @@ class Census:
         return "\n".join(lines)
 
 
+_DIFFUSION_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
 def strip_prefix(keys: Iterable[str]) -> str:
-    """The wrapper prefix most keys share (``model.diffusion_model.`` in full checkpoints), or ''."""
+    """The wrapper prefix of the diffusion model's keys: ``model.diffusion_model.`` in a full checkpoint (as
+    ComfyUI finds it, however many text-encoder and VAE keys the file also holds), else the prefix most keys
+    share, or ''."""
     keys = list(keys)
+    for p in _DIFFUSION_PREFIXES:
+        if any(k.startswith(p) for k in keys):
+            return p
     for p in _PREFIXES:
         if keys and sum(k.startswith(p) for k in keys) * 2 > len(keys):
             return p
@@ -183,7 +191,8 @@ def detect_arch(keys: Iterable[str]) -> str:
     """Architecture name from state-dict key names ('generic' when nothing matches)."""
     keys = list(keys)
     prefix = strip_prefix(keys)
-    names = [k[len(prefix):] if k.startswith(prefix) else k for k in keys]
+    names = [k[len(prefix):] for k in keys if k.startswith(prefix)] if prefix in _DIFFUSION_PREFIXES else \
+        [k[len(prefix):] if k.startswith(prefix) else k for k in keys]
     for rules in ARCHS:
         if all(any(re.search(p, k) for k in names) for p in rules.detect):
             return rules.name
@@ -243,6 +252,8 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
     shapes = _shapes_of(source)
     prefix = strip_prefix(shapes)
     names = {k: (k[len(prefix):] if k.startswith(prefix) else k) for k in shapes}
+    # a full checkpoint: what is not under the diffusion model's prefix is its text encoders and VAE
+    outside = {k for k in shapes if not k.startswith(prefix)} if prefix in _DIFFUSION_PREFIXES else set()
     arch = detect_arch(shapes) if arch in (None, "", "auto") else arch
     rules = _rules(arch)
     notes = []
@@ -250,7 +261,7 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
         notes.append("architecture not recognised: generic rule (2-D weights inside numbered blocks, "
                      "minus embedders / norms / modulation / final layers)")
 
-    block_ids = sorted({b for n in names.values() if (b := _block_of(n, rules)) is not None})
+    block_ids = sorted({b for k, n in names.items() if k not in outside and (b := _block_of(n, rules)) is not None})
     ordinal = {b: i for i, b in enumerate(block_ids)}
     n_blocks = len(block_ids)
     keep_first = config.keep_first_blocks if config else 0
@@ -262,6 +273,10 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
 
     entries = []
     for key, (shape, nbytes) in shapes.items():
+        if key in outside:
+            entries.append(CensusEntry(key, shape, nbytes, False,
+                                       f"outside the diffusion model ({prefix}*): text encoder or VAE", None))
+            continue
         name = names[key]
         layer = name[: -len(".weight")] if name.endswith(".weight") else None
         b = _block_of(name, rules)
@@ -269,7 +284,6 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
 
         def keep(reason):
             entries.append(CensusEntry(key, shape, nbytes, False, reason, blk))
-
         if layer is None:
             keep("not a weight (bias, scale, buffer)")
             continue

@@ -161,6 +161,9 @@ def _unlink(path: str) -> None:
 
 
 def check_output_path(out_path: str, force: bool) -> None:
+    if os.path.isdir(out_path):
+        raise ConfigError("OUT", out_path, "a file path", "it is a folder; give the file to write, e.g. "
+                          f"{os.path.join(out_path, 'model_fp8.safetensors')}")
     if os.path.exists(out_path) and not force:
         raise FileExistsError(f"{out_path} exists; pass --force (node: a new save_path) to overwrite it")
     parent = os.path.dirname(os.path.abspath(out_path))
@@ -190,6 +193,9 @@ def file_metadata(config: QuantConfig, arch: str, layers: list[str]) -> dict[str
     return meta
 
 
+_CODE_DTYPES = {"F8_E4M3", "F8_E5M2", "I8", "U8"}     # safetensors dtypes of already-quantized weights
+
+
 def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = None, force: bool = False,
                   measure: bool = True, progress: Callable[[int, int, str], None] | None = None) -> QuantReport:
     """Quantize a .safetensors diffusion model tensor by tensor into ``dst`` (see module docstring)."""
@@ -200,7 +206,14 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
     check_output_path(dst, force)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ConfigError("OUT", dst, "a path different from IN", "write to a new file, then rename it yourself")
-    with safe_open(src, framework="pt") as f:
+    try:
+        handle = safe_open(src, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as exc:         # safetensors raises its own error type for a file it cannot parse
+        raise ConfigError("IN", src, "a .safetensors file",
+                          f"it could not be read as one ({type(exc).__name__}: {exc})") from exc
+    with handle as f:
         keys = list(f.keys())
         src_meta = f.metadata() or {}
         if any(k.endswith((".comfy_quant", ".levers_quant", ".scale_weight")) for k in keys) or "scaled_fp8" in keys:
@@ -211,6 +224,16 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
         report = QuantReport(config=config, arch=plan.arch, notes=list(plan.notes))
         targets = [e.key for e in plan.quantized]
         set_targets = set(targets)
+        coded = sorted({f.get_slice(k).get_dtype() for k in targets} & _CODE_DTYPES)
+        if coded:
+            raise ConfigError("IN", src, "an unquantized (bf16/fp16/fp32) checkpoint",
+                              f"its block weights are already {', '.join(coded)} codes; quantize the bf16 original "
+                              "(quantizing codes again only adds rounding)")
+        if not targets:
+            raise ConfigError("arch", plan.arch, "an architecture whose census finds weights to quantize",
+                              f"nothing in {os.path.basename(src)} matched the {plan.arch} census "
+                              f"({len(keys)} tensors, all kept); pass --arch with the model's family, or check the "
+                              "file is a diffusion model")
 
         def stream():
             for i, k in enumerate(keys):

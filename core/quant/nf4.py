@@ -81,6 +81,7 @@ def absmax_from_state_dict(qs: dict[str, torch.Tensor], device="cpu") -> tuple[t
 
 @register_quantizer(Precision.NF4)
 class Nf4Quantizer(Quantizer):
+    block_sizes = NF4_BLOCK_SIZES
     granularities = (Granularity.PER_BLOCK,)
     default_granularity = Granularity.PER_BLOCK
     storage_dtype = torch.uint8

@@ -54,6 +54,10 @@ class QuantConfig:
         object.__setattr__(self, "granularity", gran)
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ConfigError("block_size", self.block_size, "a power of two >= 16 (64 is the usual choice)")
+        if gran == Granularity.PER_BLOCK and quantizer.block_sizes and self.block_size not in quantizer.block_sizes:
+            raise ConfigError("block_size", self.block_size,
+                              f"for {fmt}: one of {', '.join(map(str, quantizer.block_sizes))}",
+                              "64 is the usual choice (its backend supports no other sizes).")
         for name in ("keep_first_blocks", "keep_last_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -104,6 +108,7 @@ class Quantizer:
     default_granularity: ClassVar[Granularity]
     storage_dtype: ClassVar[torch.dtype]
     install_hint: ClassVar[str] = ""
+    block_sizes: ClassVar[tuple[int, ...] | None] = None   # per_block sizes the backend takes (None: any power of 2)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
