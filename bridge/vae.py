@@ -157,25 +157,31 @@ def _hunyuan_image(fsm, dec) -> tuple[StagedDecoder | None, str]:
     level = ups - 2                      # the stage at 1/4 of the output scale
     if level < 0 or not all(hasattr(st, "block") and len(st.block) > 0 for st in stages):
         return None, f"{type(dec).__name__} (HunyuanImage layout) has fewer than 2 upsamplers"
-    stem = [dec.conv_in, dec.mid.block_1, dec.mid.attn_1, dec.mid.block_2]
-    tail = []
-    boundary = None
-    for i, st in enumerate(stages):
-        blocks = list(st.block)
-        up = [st.upsample] if hasattr(st, "upsample") else []
-        if i < level:
-            stem += blocks + up
-        elif i == level:
-            stem += blocks[:-1]
-            boundary = blocks[-1]
-            tail += up
-        else:
-            tail += blocks + up
+    stem, boundary, tail = _split_at_stage(
+        [(list(st.block), [st.upsample] if hasattr(st, "upsample") else []) for st in stages], level)
+    stem = [dec.conv_in, dec.mid.block_1, dec.mid.attn_1, dec.mid.block_2] + stem
     tail += [dec.norm_out, dec.conv_out]
     staged = StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail,
                            stand_ins={dec.conv_in: _zero_stand_in})
     return staged, ("HunyuanImage 2.1 VAE: stages up to 1/4 of the output scale run whole (attention + their "
                     "GroupNorms), the rest tiled with whole-image GroupNorm statistics")
+
+
+def _split_at_stage(stages: list[tuple[list, list]], at: int) -> tuple[list, torch.nn.Module, list]:
+    """(stem, boundary, tail) of decoder stages given from the lowest resolution up as (modules, upsamplers): the
+    stages before ``at`` run in the stem, stage ``at`` too up to its last module (the boundary, whose output is
+    stored), and the rest, from that stage's upsampler on, in the tail."""
+    stem, tail, boundary = [], [], None
+    for i, (mods, ups) in enumerate(stages):
+        if i < at:
+            stem += mods + ups
+        elif i == at:
+            stem += mods[:-1]
+            boundary = mods[-1]
+            tail += ups
+        else:
+            tail += mods + ups
+    return stem, boundary, tail
 
 
 def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecoder:
@@ -195,8 +201,7 @@ def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecode
     if isinstance(pqc, torch.nn.Module):
         stem.append(pqc)
     stem += [dec.conv_in, dec.mid.block_1, dec.mid.attn_1, dec.mid.block_2]
-    tail = []
-    boundary = None
+    stages = []                                  # from the lowest resolution up, as the decoder runs them
     for lv in reversed(range(n)):
         up = dec.up[lv]
         mods = []
@@ -204,15 +209,9 @@ def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecode
             mods.append(blk)
             if len(up.attn) > 0:
                 mods.append(up.attn[i])
-        ups = [up.upsample] if hasattr(up, "upsample") else []
-        if lv > level:
-            stem += mods + ups
-        elif lv == level:
-            stem += mods[:-1]
-            boundary = mods[-1]
-            tail += ups
-        else:
-            tail += mods + ups
+        stages.append((mods, [up.upsample] if hasattr(up, "upsample") else []))
+    more, boundary, tail = _split_at_stage(stages, n - 1 - level)
+    stem += more
     tail += [dec.norm_out, dec.conv_out]
     if not video:
         return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
