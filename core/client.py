@@ -583,10 +583,32 @@ def coerce_value(spec: InputSpec, raw: str, where: str):
         return raw
 
 
+def _resolve_split(api: dict, a: Assignment, object_info: dict) -> Assignment:
+    """``NODE.INPUT`` split at the dot that names a node with that input: input names may hold dots themselves
+    (V3 dynamic inputs: ``format.crf``, ``images.image0``), node titles too. Else the first dot that names a node,
+    else the last dot (the errors then say which input or node is missing)."""
+    key = f"{a.node}.{a.input}"
+    first = None                          # the first split that names a node: its error names the missing input
+    for i, ch in enumerate(key):
+        if ch != ".":
+            continue
+        node, name = key[:i].strip(), key[i + 1:].strip()
+        try:
+            node_id = find_node(api, node)
+        except WorkflowError:
+            continue
+        first = first or Assignment(node, name, a.raw)
+        info = object_info.get(api[node_id].get("class_type"))
+        if info is not None and name in {s.name for s in input_specs(info, api[node_id].get("inputs") or {})}:
+            return Assignment(node, name, a.raw)
+    return first or a
+
+
 def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) -> dict:
     """Return a copy of ``api`` with each --set applied; every target is checked first."""
     result = json.loads(json.dumps(api))
     for a in assignments:
+        a = _resolve_split(result, a, object_info)
         node_id = find_node(result, a.node)
         node = result[node_id]
         info = object_info.get(node["class_type"])
@@ -608,6 +630,17 @@ def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) 
 # --------------------------------------------------------------------------------------------
 # HTTP + websocket
 # --------------------------------------------------------------------------------------------
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0 = wait forever)")
+    return v
+
 
 def normalize_server(url: str) -> str:
     url = url.strip().rstrip("/")
@@ -1049,7 +1082,9 @@ def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[s
                 name = os.path.basename(str(item["filename"]))
                 subfolder = str(item.get("subfolder") or "")
                 payload = client.view(str(item["filename"]), subfolder, str(item.get("type") or "output"))
-                folder = target / subfolder if subfolder and ".." not in Path(subfolder).parts else target
+                folder = target / subfolder if subfolder else target
+                if not folder.resolve().is_relative_to(target.resolve()):
+                    folder = target          # a subfolder the server names must not lead out of --out
                 folder.mkdir(parents=True, exist_ok=True)
                 path = _unique_path(folder / name)
                 path.write_bytes(payload)
@@ -1152,7 +1187,7 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NODE.INPUT=VALUE",
                    help="override a widget value; NODE is a node id or title (repeatable)")
     p.add_argument("--out", default="levers_output", help="folder for downloaded outputs (default: levers_output)")
-    p.add_argument("--timeout", type=float, default=0,
+    p.add_argument("--timeout", type=_seconds, default=0,
                    help="give up waiting after this many seconds (0 = wait forever); exit code 124")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the local check against /object_info (the server still validates)")

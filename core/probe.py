@@ -5,6 +5,8 @@ initialises CUDA unless ``probe()`` is called on a machine that has it.
 """
 from __future__ import annotations
 
+import math
+
 import contextlib
 import functools
 import importlib.util
@@ -319,6 +321,9 @@ def synthetic_machine(vram_gb: float | None = None, ram_gb: float | None = None,
                       base: Machine | None = None, gpu_name: str | None = None,
                       capability: tuple[int, int] = (8, 9)) -> Machine:
     """A machine with user overrides (CLI --vram-gb etc.), keeping probed facts that were not overridden."""
+    for name, v in (("vram_gb", vram_gb), ("ram_gb", ram_gb), ("h2d_gbps", h2d_gbps)):
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"{name}={v} is not a finite number; give it in {'GB/s' if name == 'h2d_gbps' else 'GiB'}")
     base = base or probe(measure_bandwidth=h2d_gbps is None)
     gs = base.gpus
     if vram_gb is not None:

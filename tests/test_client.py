@@ -663,3 +663,52 @@ def test_shipped_examples_resolve_by_name_and_unknown_names_list_them(tmp_path):
     assert C.resolve_workflow_path(str(own)) == own
     with pytest.raises(C.WorkflowError, match="Shipped examples: .*flux1_dev_16gb"):
         C.resolve_workflow_path("nope")
+
+
+_SAVE_VIDEO_INFO = {
+    "SaveVideo": {"input": {"required": {
+        "video": ["IMAGE", {}],
+        "format": ["COMFY_DYNAMICCOMBO_V3", {"options": [
+            {"key": "auto", "inputs": {"required": {}}},
+            {"key": "mp4", "inputs": {"required": {"crf": ["FLOAT", {"default": 23.0, "min": 0, "max": 51}]}}}]}],
+        "fps": ["FLOAT", {"default": 24.0}]}},
+        "input_order": {"required": ["video", "format", "fps"]}, "output": [], "output_node": True},
+    "LoadImage": {"input": {"required": {"image": [["a.png"], {}]}}, "input_order": {"required": ["image"]},
+                  "output": ["IMAGE"]},
+}
+
+
+def test_set_reaches_inputs_whose_names_hold_dots():
+    """V3 dynamic inputs are named ``format.crf``, ``images.image0``: --set splits NODE.INPUT at the dot that
+    names a node with that input (it split at the last one: "no node '2.format'"); titles with dots work too."""
+    api = {"1": {"class_type": "LoadImage", "inputs": {"image": "a.png"}, "_meta": {"title": "Load v1.2"}},
+           "2": {"class_type": "SaveVideo", "inputs": {"video": ["1", 0], "format": "mp4", "format.crf": 23.0,
+                                                      "fps": 24.0}, "_meta": {"title": "Save"}}}
+    out = C.apply_sets(api, [C.parse_set("2.format.crf=30"), C.parse_set("Save.fps=12"),
+                             C.parse_set("Load v1.2.image=a.png")], _SAVE_VIDEO_INFO)
+    assert out["2"]["inputs"]["format.crf"] == 30.0 and out["2"]["inputs"]["fps"] == 12.0
+    with pytest.raises(C.WorkflowError, match="node 2 \(SaveVideo\) has no input 'format.crf2'"):
+        C.apply_sets(api, [C.parse_set("2.format.crf2=30")], _SAVE_VIDEO_INFO)
+
+
+def test_downloads_never_leave_the_out_folder(tmp_path):
+    """A subfolder the server names (absolute, or with ..) must not lead outside --out."""
+    class Fake:
+        def view(self, filename, subfolder, kind):
+            return b"x"
+    outside = tmp_path / "outside"
+    outs = {"9": {"images": [{"filename": "a.png", "subfolder": str(outside), "type": "output"},
+                             {"filename": "b.png", "subfolder": "../../etc", "type": "output"},
+                             {"filename": "c.png", "subfolder": "runs/1", "type": "output"}]}}
+    saved = C.download_outputs(Fake(), outs, str(tmp_path / "out"))
+    root = (tmp_path / "out").resolve()
+    assert len(saved) == 3 and all(Path(p).resolve().is_relative_to(root) for p in saved), saved
+    assert (root / "runs" / "1" / "c.png").is_file() and not outside.exists()
+
+
+def test_a_negative_timeout_is_refused():
+    p = argparse.ArgumentParser()
+    C.register_cli(p.add_subparsers())
+    with pytest.raises(SystemExit):
+        p.parse_args(["run", "wf.json", "--timeout", "-1"])
+    assert p.parse_args(["run", "wf.json", "--timeout", "2.5"]).timeout == 2.5

@@ -251,3 +251,11 @@ def test_dynamic_vram_note_says_groupprefetch_stands_aside_and_how_to_use_it():
     assert line and "stands aside" in line[0] and "--disable-dynamic-vram" in line[0]
     assert not any("DynamicVRAM" in n for n in plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
                .component("diffusion_model").notes)
+
+
+@pytest.mark.parametrize("kw", [dict(vram_gb=float("inf")), dict(vram_gb=float("nan")), dict(ram_gb=float("inf")),
+                                dict(h2d_gbps=float("nan"))])
+def test_non_finite_machine_overrides_are_clear_errors(kw):
+    """``levers recommend --vram-gb inf`` ended in an OverflowError traceback; NaN got past the range checks."""
+    with pytest.raises(ValueError, match="is not a finite number"):
+        synthetic_machine(**{"vram_gb": 8, **kw})
