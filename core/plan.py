@@ -407,8 +407,22 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
             cands.append(c)
     if not cands:
         return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits)
-    best = _choose(cands, goal)
+    ram = machine.ram_available_bytes
+    in_ram = [c for c in cands if ram is None or _host_need(spec, machine, c) <= ram]
+    if in_ram and len(in_ram) < len(cands):
+        # a plan whose host copies do not fit the RAM pages them from disk every step: slower than predicted
+        # by far. Plans that fit RAM come first; only when none does is the choice left to the goal alone.
+        notes.append(f"host RAM ({ram / GiB:.1f} GiB available) rules out {len(cands) - len(in_ram)} of "
+                     f"{len(cands)} plans that fit the GPU: their host copies would page")
+    best = _choose(in_ram or cands, goal)
     return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict)
+
+
+def _host_need(spec, machine, c: _Candidate) -> int:
+    """Host bytes a plan keeps: the DiT (every expert), the text encoder when it is not resident, the VAE."""
+    vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
+    return (c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
+            + vae_w)
 
 
 def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict) -> Plan:
@@ -482,7 +496,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
     vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,
                              pin and host[Component.VAE] > 0, vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))
-    host_need = c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0) + vae_w
+    host_need = _host_need(spec, machine, c)
     if machine.ram_available_bytes is not None and host_need > machine.ram_available_bytes:
         notes.append(f"host RAM: {machine.ram_available_bytes / GiB:.1f} GiB available but the host copies need "
                      f"{host_need / GiB:.1f} GiB; the OS will page (slow) — close other programs or use smaller files")

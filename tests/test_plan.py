@@ -259,3 +259,18 @@ def test_non_finite_machine_overrides_are_clear_errors(kw):
     """``levers recommend --vram-gb inf`` ended in an OverflowError traceback; NaN got past the range checks."""
     with pytest.raises(ValueError, match="is not a finite number"):
         synthetic_machine(**{"vram_gb": 8, **kw})
+
+
+def test_plans_whose_host_copies_exceed_the_ram_come_last():
+    """FLUX on a 12 GiB card with 24 GiB of RAM: bf16 streaming plus a bf16 text encoder needs 31 GiB of host
+    copies, which would page from disk every step; a plan that fits the RAM is chosen, and the report says why."""
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=24))
+    host = (p.component("diffusion_model").weight_bytes + p.component("text_encoder").weight_bytes
+            + p.component("vae").weight_bytes)
+    assert p.fits and host <= 24 * GiB, host / GiB
+    assert any("host RAM (24.0 GiB available) rules out" in n for n in p.notes)
+    roomy = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=64))
+    assert not any("rules out" in n for n in roomy.notes)
+    # nothing fits the RAM: the goal decides alone, and the paging note stays
+    tiny = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=2))
+    assert any("the OS will page" in n for n in tiny.notes) and not any("rules out" in n for n in tiny.notes)
