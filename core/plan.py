@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 from .plan_types import ComponentPlan, Plan, Streaming, Tiling
@@ -436,10 +436,21 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     pin, pin_reason = pin_rule(pin_total, machine)
     notes.append(f"pinning: {'on' if pin else 'off'} ({pin_reason})")
     extra = c.extra
+    streaming = c.dit.streaming
     if not pin and pin_total:
-        # Pageable copies are slower: rescale the movement part of the extra seconds.
+        # Pageable copies are slower: rescale the movement part of the extra seconds, and time a streamed
+        # DiT's copies at the pageable bandwidth (a copy that hides when pinned may not hide any more).
         ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
-        extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds) * ratio
+        dit_extra = c.dit.extra_seconds_per_gen * ratio
+        if streaming is not None:
+            bw = max(0.1, machine.bandwidth.pageable_gbps) * 1e9
+            t_block = streaming.block_bytes / bw
+            streaming = replace(streaming, transfer_seconds_per_block=t_block,
+                                hides_transfer=t_block <= streaming.compute_seconds_per_block)
+            n_streamed = streaming.n_blocks - streaming.resident_groups * streaming.blocks_per_group
+            dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
+                                       - c.dit.step_seconds * n_streamed / streaming.n_blocks)
+        extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds - c.dit.extra_seconds_per_gen) * ratio + dit_extra
     dit_notes = []
     if c.dit.precision.is_quantized:
         kept = spec.dit_kept_params + (0 if c.dit.quantize_modulation else spec.modulation_params)
@@ -452,8 +463,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
             dit_notes.append("fp8 matmuls on tensor cores (ComfyUI's scaled-fp8 layer)" if fp8_matmuls(machine) else
                              "no fp8 matmuls here (GPU below sm_89, or no comfy-kitchen in ComfyUI): fp8 weights "
                              "are dequantized per layer — a memory lever, ~1.45x slower linears (measured on H200)")
-    if c.dit.streaming is not None:
-        s = c.dit.streaming
+    if streaming is not None:
+        s = streaming
         dit_notes.append(f"streams {s.n_blocks - s.resident_groups * s.blocks_per_group} of {s.n_blocks} blocks per step "
                          f"({s.streamed_bytes_per_step / GiB:.1f} GiB); per block {s.transfer_seconds_per_block * 1e3:.1f} ms "
                          f"copy vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
@@ -473,7 +484,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                          "ComfyUI with --disable-dynamic-vram to use it instead)")
     dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
                              pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
-                             streaming=c.dit.streaming, notes=tuple(dit_notes),
+                             streaming=streaming, notes=tuple(dit_notes),
                              quantize_modulation=c.dit.quantize_modulation)
     te_notes = [c.te.note] if c.te.note else []
     if c.te.residency is Residency.PHASE:

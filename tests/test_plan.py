@@ -274,3 +274,19 @@ def test_plans_whose_host_copies_exceed_the_ram_come_last():
     # nothing fits the RAM: the goal decides alone, and the paging note stays
     tiny = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=2))
     assert any("the OS will page" in n for n in tiny.notes) and not any("rules out" in n for n in tiny.notes)
+
+
+def test_unpinned_streaming_is_timed_at_the_pageable_bandwidth():
+    """FLUX on 24 GiB with 40 GiB RAM: too little RAM to pin the host copies twice over, so blocks stream from
+    pageable memory. Their copies were timed at the pinned bandwidth (reported as hiding, 0 s extra)."""
+    m = machine(24, ram=40)
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+    assert any(n.startswith("pinning: off") for n in p.notes)
+    st = p.component("diffusion_model").streaming
+    t_pageable = st.block_bytes / (m.bandwidth.pageable_gbps * 1e9)
+    assert st.transfer_seconds_per_block == pytest.approx(t_pageable)
+    assert st.hides_transfer == (t_pageable <= st.compute_seconds_per_block)
+    assert not st.hides_transfer and p.predicted_extra_seconds > 0
+    assert any("cannot fully hide" in n for n in p.component("diffusion_model").notes)
+    pinned = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(24, ram=128))
+    assert pinned.component("diffusion_model").streaming.hides_transfer
