@@ -564,16 +564,22 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> 
     """Nothing fits: return the smallest-footprint plan, marked ``fits=False``, with what to change."""
     gpu = machine.gpu
     smallest = min(dits, key=lambda d: d.resident_bytes) if dits else None
-    p = smallest.precision if smallest else Precision.NF4
-    wb = dit_weight_bytes(spec, p)
-    resident = smallest.resident_bytes if smallest else wb
-    notes.append(f"does not fit {gpu.total_bytes / GiB:.0f} GiB even with {p} weights and streaming: one step's "
-                 f"activations are {act / GiB:.1f} GiB. Lower the resolution/frames or batch, or use a bigger card.")
-    comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, Residency.STREAMED, False, wb, resident,
-                           streaming=smallest.streaming if smallest else None),
+    if smallest is not None:
+        p, residency, qmod = smallest.precision, smallest.residency, smallest.quantize_modulation
+        wb, resident, streaming = smallest.weight_bytes, smallest.resident_bytes, smallest.streaming
+    else:           # not even one streamed group fits: the smallest format this machine can use, loaded for its phase
+        p, residency, qmod = available_precisions(machine, [])[-1], Residency.PHASE, False
+        wb = resident = dit_weight_bytes(spec, p)
+        streaming = None
+    card = f"{gpu.total_bytes / GiB:.0f} GiB" if gpu.total_bytes >= 0.5 * GiB else f"{gpu.total_bytes / 2 ** 20:.0f} MiB"
+    notes.append(f"does not fit {card} even with {p} weights{' and streaming' if residency is Residency.STREAMED else ''}: "
+                 f"one step's activations are {act / GiB:.1f} GiB. Lower the resolution/frames or batch, or use a "
+                 "bigger card.")
+    vae_p, vae_w = (Precision.BF16, int(spec.vae_params * 2)) if gpu.bf16 else (Precision.FP32, int(spec.vae_params * 4))
+    comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, residency, False, wb, resident,
+                           streaming=streaming, quantize_modulation=qmod),
              ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
-             ComponentPlan(Component.VAE, Precision.BF16, gpu.device, Residency.PHASE, False, int(spec.vae_params * 2),
-                           int(spec.vae_params * 2)))
+             ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w))
     peak = resident + act + OVERHEAD_BYTES
     return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
                 components=comps, activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl),

@@ -12,7 +12,7 @@ def gib(n: int | float) -> str:
 def format_plan(plan: Plan, machine: Machine | None = None) -> str:
     lines = []
     m = plan.machine
-    target = f"{m.get('gpu')} ({plan.vram_bytes / GiB:.0f} GiB)" if plan.vram_bytes else "CPU only"
+    target = f"{m.get('gpu')} ({gib(plan.vram_bytes)})" if plan.vram_bytes else "CPU only"
     wl = plan.workload
     shape = f"{wl.get('width')}x{wl.get('height')}" + (f"x{wl['frames']}f" if wl.get("frames", 1) > 1 else "")
     lines.append(f"Levers plan: {plan.model} at {shape}, {wl.get('steps')} steps, batch {wl.get('batch')} "
@@ -31,8 +31,10 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
                      f"(incl. {gib(plan.overhead_bytes)} CUDA context + fragmentation)")
         lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode untiled {gib(plan.vae_decode_peak_bytes)}"
                      + (f", tiled {gib(plan.vae.tiling.peak_bytes)}" if plan.vae.tiling else ""))
-        lines.append(f"extra seconds per generation from these levers: {plan.predicted_extra_seconds:.2f} s "
-                     f"(predicted {wl.get('predicted_step_seconds')} s/step, ~{wl.get('predicted_total_seconds')} s total)")
+        if plan.fits:
+            lines.append(f"extra seconds per generation from these levers: {plan.predicted_extra_seconds:.2f} s "
+                         f"(predicted {wl.get('predicted_step_seconds')} s/step, ~{wl.get('predicted_total_seconds')} s "
+                         "total)")
     else:
         lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode {gib(plan.vae_decode_peak_bytes)}; "
                      f"{'fits' if plan.fits else 'DOES NOT FIT'} in host RAM")

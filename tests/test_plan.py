@@ -290,3 +290,22 @@ def test_unpinned_streaming_is_timed_at_the_pageable_bandwidth():
     assert any("cannot fully hide" in n for n in p.component("diffusion_model").notes)
     pinned = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(24, ram=128))
     assert pinned.component("diffusion_model").streaming.hides_transfer
+
+
+def test_a_card_too_small_for_anything_gives_a_consistent_does_not_fit_plan():
+    """Nothing fits, not even one streamed group: the plan names a format this machine can use (not nf4 when
+    bitsandbytes is missing), does not claim streaming it has no layout for, and the report shows no speed."""
+    import dataclasses
+
+    from comfyui_levers.core.probe import Capability
+    from comfyui_levers.core.report import format_plan
+
+    m = machine(0.3)
+    m = dataclasses.replace(m, libraries={**m.libraries, "bitsandbytes": Capability(False, "not installed")})
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+    d = p.component("diffusion_model")
+    assert not p.fits and str(d.precision) != "nf4"
+    assert d.residency is not Residency.STREAMED or d.streaming is not None
+    text = format_plan(p)
+    assert "DOES NOT FIT" in text and "(0.30 GiB)" in text and "s/step" not in text
+    assert any("does not fit 307 MiB" in n for n in p.notes)
