@@ -665,19 +665,6 @@ def test_shipped_examples_resolve_by_name_and_unknown_names_list_them(tmp_path):
         C.resolve_workflow_path("nope")
 
 
-_SAVE_VIDEO_INFO = {
-    "SaveVideo": {"input": {"required": {
-        "video": ["IMAGE", {}],
-        "format": ["COMFY_DYNAMICCOMBO_V3", {"options": [
-            {"key": "auto", "inputs": {"required": {}}},
-            {"key": "mp4", "inputs": {"required": {"crf": ["FLOAT", {"default": 23.0, "min": 0, "max": 51}]}}}]}],
-        "fps": ["FLOAT", {"default": 24.0}]}},
-        "input_order": {"required": ["video", "format", "fps"]}, "output": [], "output_node": True},
-    "LoadImage": {"input": {"required": {"image": [["a.png"], {}]}}, "input_order": {"required": ["image"]},
-                  "output": ["IMAGE"]},
-}
-
-
 def test_set_reaches_inputs_whose_names_hold_dots():
     """V3 dynamic inputs are named ``format.crf``, ``images.image0``: --set splits NODE.INPUT at the dot that
     names a node with that input (it split at the last one: "no node '2.format'"); titles with dots work too."""
@@ -685,10 +672,10 @@ def test_set_reaches_inputs_whose_names_hold_dots():
            "2": {"class_type": "SaveVideo", "inputs": {"video": ["1", 0], "format": "mp4", "format.crf": 23.0,
                                                       "fps": 24.0}, "_meta": {"title": "Save"}}}
     out = C.apply_sets(api, [C.parse_set("2.format.crf=30"), C.parse_set("Save.fps=12"),
-                             C.parse_set("Load v1.2.image=a.png")], _SAVE_VIDEO_INFO)
+                             C.parse_set("Load v1.2.image=a.png")], MINI_OI)
     assert out["2"]["inputs"]["format.crf"] == 30.0 and out["2"]["inputs"]["fps"] == 12.0
     with pytest.raises(C.WorkflowError, match="node 2 \(SaveVideo\) has no input 'format.crf2'"):
-        C.apply_sets(api, [C.parse_set("2.format.crf2=30")], _SAVE_VIDEO_INFO)
+        C.apply_sets(api, [C.parse_set("2.format.crf2=30")], MINI_OI)
 
 
 def test_downloads_never_leave_the_out_folder(tmp_path):
