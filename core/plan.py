@@ -386,6 +386,14 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     if wl.frames > 1 and not spec.is_video:
         notes.append(f"frames={wl.frames} ignored: {spec.name} is an image model (one frame per image; "
                      f"use batch for several images)")
+    elif spec.is_video and wl.frames == 1 and spec.default_frames > 1:
+        notes.append(f"frames=1: planned for a single frame; a {spec.name} video needs its length "
+                     f"(e.g. {spec.default_frames} frames), and its activations and VAE decode grow with it")
+    elif spec.is_video and spec.vae_temporal > 1 and (wl.frames - 1) % spec.vae_temporal:
+        decoded = (spec.latent_frames(wl.frames) - 1) * spec.vae_temporal + 1
+        notes.append(f"frames={wl.frames}: {spec.name}'s VAE decodes {spec.vae_temporal}n+1 frames, so ComfyUI's "
+                     f"latent for this length gives {decoded} (use {decoded} or "
+                     f"{decoded + spec.vae_temporal}); planned for {wl.frames}")
     act = activation_bytes(spec, wl)
     workload = {"width": wl.width, "height": wl.height, "frames": wl.frames if spec.is_video else 1,
                 "steps": wl.steps, "batch": wl.batch, "tokens": spec.tokens(wl.width, wl.height, wl.frames),

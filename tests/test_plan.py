@@ -309,3 +309,15 @@ def test_a_card_too_small_for_anything_gives_a_consistent_does_not_fit_plan():
     text = format_plan(p)
     assert "DOES NOT FIT" in text and "(0.30 GiB)" in text and "s/step" not in text
     assert any("does not fit 307 MiB" in n for n in p.notes)
+
+
+def test_video_frame_counts_off_the_vae_grid_get_a_note():
+    """Wan's VAE decodes 4n+1 frames: 82 asked gives a 21-frame latent and 81 decoded frames."""
+    odd = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 82, 30), machine(16))
+    assert any("frames=82" in n and "gives 81 (use 81 or 85)" in n for n in odd.notes), odd.notes
+    on_grid = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 81, 30), machine(16))
+    assert not any("n+1 frames" in n for n in on_grid.notes)
+    ltx = plan(get_preset("ltxv"), Workload(768, 512, 100, 30), machine(16))
+    assert any("8n+1 frames" in n and "gives 97 (use 97 or 105)" in n for n in ltx.notes)
+    single = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 1, 30), machine(16))
+    assert any("frames=1: planned for a single frame" in n and "81 frames" in n for n in single.notes)
