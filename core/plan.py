@@ -170,6 +170,8 @@ def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: W
     bpg = max(1, min(spec.n_blocks, math.ceil(64 * 1024 ** 2 / max(1, block_bytes))))
     group_bytes = bpg * block_bytes
     n_groups = -(-spec.n_blocks // bpg)
+    # depth 1: every byte past two slots buys resident groups (fewer bytes streamed); GroupPrefetch picks its
+    # own depth from the measured step, so the plan's is only the layout it sized
     depth = 1
     usable = int(dit_budget * STREAM_HEADROOM) - rest
     if usable < (depth + 1) * group_bytes:
@@ -177,8 +179,6 @@ def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: W
     resident = min(n_groups, (usable - (depth + 1) * group_bytes) // group_bytes)
     if resident >= n_groups:
         return None  # everything fits: not a streaming plan
-    if resident <= n_groups - 4 and usable - (resident + depth + 2) * group_bytes >= 0:
-        depth = 2 if usable >= (resident + 3) * group_bytes else 1
     streamed_blocks = spec.n_blocks - resident * bpg
     t_block = block_bytes / bw
     return Streaming(n_blocks=spec.n_blocks, blocks_per_group=bpg, prefetch_depth=depth, resident_groups=int(resident),
