@@ -232,21 +232,24 @@ class _Session:
             self._saved[name] = p.__dict__.get(name, _MISSING)
             setattr(p, name, fn)
 
-    def unload_stale_placement(self) -> str | None:
+    def unload_stale_placement(self) -> None:
         """Before ComfyUI loads: if weights this run streams are still on the device from an earlier load of the
         same model (a previous run that kept more resident: another resolution or batch, an explicit budget
         changed, another split; or a clone loaded without this node), ComfyUI unloads that model first. ComfyUI
         never moves a loaded module back because the load list shrank, and streamed blocks left half on the
-        device would have to be skipped. Returns what was done, for the report."""
-        tails = self.tails
-        stale = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
+        device would have to be skipped. What it did goes into the report (``unloaded_stale``)."""
+        stale = self._streamed_on_device()
         if not stale:
-            return None
+            return
         unload_entries_of(self.patcher.model)
-        self.unloaded_stale = (f"ComfyUI unloaded this model first: {len(set(stale))} blocks streamed this run "
+        self.unloaded_stale = (f"ComfyUI unloaded this model first: {len(stale)} blocks streamed this run "
                                "were still on the device from an earlier load with more resident")
         log.info("levers: %s", self.unloaded_stale)
-        return self.unloaded_stale
+
+    def _streamed_on_device(self) -> set[str]:
+        """Names of streamed blocks with a tensor (one ComfyUI does not load itself) off the host."""
+        tails = self.tails
+        return {n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails}
 
     def _reset_streamed_modules(self) -> None:
         """Drop lowvram cast state another clone may have left on streamed modules (its LoRA
@@ -275,9 +278,7 @@ class _Session:
             self.skip_reason = "everything fits the budget: nothing to stream"
             return
         dev = self.patcher.load_device
-        tails = self.tails
-        on_device = [n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails]
-        if on_device and torch.device(dev).type != "cpu":
+        if torch.device(dev).type != "cpu" and self._streamed_on_device():
             self.skip_reason = (f"ComfyUI already holds the streamed blocks on {dev} (loaded by another clone "
                                 f"of this model); streaming resumes after it is unloaded (Free model and node cache)")
             return

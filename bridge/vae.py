@@ -594,10 +594,11 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         raise ConfigError("groupnorm_stats", "windows", "tiles or exact for this video VAE",
                           "Window statistics sample single images; video tiles pool their statistics over all "
                           "tiles instead (the default, tiles).")
-    if 0 < settings.tile_size < _spatial_scale(vae):
-        raise ConfigError("tile_size", settings.tile_size, f"0 (auto) or at least {_spatial_scale(vae)} px",
-                          f"This VAE decodes {_spatial_scale(vae)} output px per latent px, so a tile is at least "
-                          "that wide. Use 0 to let the node size the tiles.")
+    s = _spatial_scale(vae)
+    if 0 < settings.tile_size < s:
+        raise ConfigError("tile_size", settings.tile_size, f"0 (auto) or at least {s} px",
+                          f"This VAE decodes {s} output px per latent px, so a tile is at least that wide. Use 0 to "
+                          "let the node size the tiles.")
     rep.add(f"VAE: {type(vae.first_stage_model).__name__} ({why}); latent {tuple(samples.shape)}")
     if settings.free_other_models:
         rep.add(free_other_models(vae))
@@ -605,7 +606,6 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
     budget, budget_why = budget_bytes(vae, settings)
     rep.add(budget_why)
 
-    s = _spatial_scale(vae)
     video = samples.ndim == 5
     tile, overlap, tsize = settings.tile_size, settings.overlap, settings.temporal_size
     # user sizes in latent px: tiles round down (at most the size asked for), a non-zero overlap rounds up (a

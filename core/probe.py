@@ -5,13 +5,12 @@ initialises CUDA unless ``probe()`` is called on a machine that has it.
 """
 from __future__ import annotations
 
-import math
-
 import contextlib
 import functools
 import importlib.util
 import io
 import logging
+import math
 import warnings
 import os
 import platform

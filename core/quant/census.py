@@ -284,6 +284,7 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
 
         def keep(reason):
             entries.append(CensusEntry(key, shape, nbytes, False, reason, blk))
+
         if layer is None:
             keep("not a weight (bias, scale, buffer)")
             continue

@@ -39,6 +39,18 @@ def run_node(comfy_env, latent, vae, **kw):
     return out.args[0], out.args[1]
 
 
+def tiles_vs_comfy(comfy_env, vae, latent, tile, overlap, label):
+    """Levers' tiles and ComfyUI's VAEDecodeTiled at the same tile size and overlap, both against VAEDecode.
+    Returns (ours, ref, report, Levers PSNR, VAEDecodeTiled PSNR) and prints the two PSNRs (README table)."""
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 64, 8)[0]
+    ours, report = run_node(comfy_env, latent, vae, tile_size=tile, overlap=overlap)
+    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
+    print(f"\n{label} {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
+          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
+    return ours, ref, report, p_ours, p_comfy
+
+
 @pytest.fixture(scope="module")
 def kl_vae(comfy_env):
     import comfy.sd
@@ -73,14 +85,8 @@ def test_kl_auto_fits_is_identical_to_vaedecode(comfy_env, kl_vae):
 
 def test_kl_tiles_beat_vaedecodetiled(comfy_env, kl_vae):
     latent = {"samples": smooth_latent((1, 16, 40, 40), 1)}
-    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
-    tile, overlap = 192, 64
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(kl_vae, latent, tile, overlap, 64, 8)[0]
-    ours, report = run_node(comfy_env, latent, kl_vae, tile_size=tile, overlap=overlap)
+    ours, ref, report, p_ours, p_comfy = tiles_vs_comfy(comfy_env, kl_vae, latent, 192, 64, "KL")
     assert "mode=spatial" in report and ours.shape == ref.shape
-    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
-    print(f"\nKL {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
-          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
     assert p_ours >= p_comfy + 10, (p_ours, p_comfy)
     assert p_ours >= 35
 
@@ -289,14 +295,8 @@ def test_wan22_spatial_tiles_beat_vaedecodetiled(comfy_env, wan22_vae):
     16x: 24 convs 3x3 over the 4 upsampling stages and the head), given explicitly because a latent this
     small cannot show the node's probe the whole field."""
     latent = {"samples": smooth_latent((1, 48, 1, 8, 33), 7)}
-    ref = comfy_env.nodes.VAEDecode().decode(wan22_vae, latent)[0]
-    tile, overlap = 464, 400
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(wan22_vae, latent, tile, overlap, 64, 8)[0]
-    ours, report = run_node(comfy_env, latent, wan22_vae, tile_size=tile, overlap=overlap)
+    ours, ref, report, p_ours, p_comfy = tiles_vs_comfy(comfy_env, wan22_vae, latent, 464, 400, "Wan 2.2")
     assert "mode=spatial" in report and "2 tiles" in report and ours.shape == ref.shape == (1, 128, 528, 3)
-    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
-    print(f"\nWan 2.2 {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
-          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
     assert p_ours >= 60 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
 
 
@@ -350,15 +350,10 @@ def test_hunyuan_spatial_tiles_beat_vaedecodetiled(comfy_env, hunyuan_vae):
     """GroupNorm statistics pooled over the tiles (one pass) are an estimate: not exact like the Wan VAE's tiles,
     and on random weights the error compounds over 13 norm layers (the KL decoder's real weights gave 54.8 dB)."""
     latent = {"samples": smooth_latent((1, 16, 2, 32, 32), 10)}
-    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_vae, latent)[0]
     tile, overlap = 128, 64
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan_vae, latent, tile, overlap, 64, 8)[0]
-    ours, report = run_node(comfy_env, latent, hunyuan_vae, tile_size=tile, overlap=overlap)
+    ours, ref, report, p_ours, p_comfy = tiles_vs_comfy(comfy_env, hunyuan_vae, latent, tile, overlap, "HunyuanVideo")
     assert "mode=spatial" in report and "9 tiles" in report and ours.shape == ref.shape == (5, 256, 256, 3), report
     assert "statistics estimated" in report
-    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
-    print(f"\nHunyuanVideo {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
-          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
     assert p_ours >= p_comfy + 10 and p_ours >= 30, (p_ours, p_comfy)
     with pytest.raises(ConfigError, match="groupnorm_stats"):
         run_node(comfy_env, latent, hunyuan_vae, tile_size=tile, overlap=overlap, groupnorm_stats="windows")
@@ -399,13 +394,8 @@ def hunyuan15_vae(comfy_env):
 def test_hunyuan15_spatial_tiles_are_exact(comfy_env, hunyuan15_vae):
     """Per-pixel norms: with the overlap covering the receptive field the tiles compute the untiled pixels."""
     latent = {"samples": smooth_latent((1, 32, 2, 8, 30), 14)}
-    ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
-    tile, overlap = 288, 224
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan15_vae, latent, tile, overlap, 64, 8)[0]
-    ours, report = run_node(comfy_env, latent, hunyuan15_vae, tile_size=tile, overlap=overlap)
-    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
-    print(f"\nHunyuanVideo 1.5 {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
-          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
+    ours, ref, report, p_ours, p_comfy = tiles_vs_comfy(comfy_env, hunyuan15_vae, latent, 288, 224,
+                                                        "HunyuanVideo 1.5")
     assert "mode=spatial" in report and ours.shape == ref.shape == (5, 128, 480, 3), report
     assert p_ours >= 60 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
 
@@ -452,13 +442,8 @@ def test_hunyuan_image_tiles_beat_vaedecodetiled(comfy_env, hunyuan_image_vae):
     """Stages up to 1/4 of the output scale run whole, the rest in tiles with pooled GroupNorm statistics (this
     decoder crashed the node's recognition before: it has a KL decoder's top-level names, not its stages)."""
     latent = {"samples": smooth_latent((1, 64, 12, 10), 21)}
-    ref = comfy_env.nodes.VAEDecode().decode(hunyuan_image_vae, latent)[0]
-    tile, overlap = 192, 64
-    comfy_tiled = comfy_env.nodes.VAEDecodeTiled().decode(hunyuan_image_vae, latent, tile, overlap, 64, 8)[0]
-    ours, report = run_node(comfy_env, latent, hunyuan_image_vae, tile_size=tile, overlap=overlap)
-    p_ours, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
-    print(f"\nHunyuanImage 2.1 {tuple(ref.shape)} tile {tile} overlap {overlap}: Levers {p_ours:.1f} dB, "
-          f"VAEDecodeTiled {p_comfy:.1f} dB\n{report}")
+    ours, ref, report, p_ours, p_comfy = tiles_vs_comfy(comfy_env, hunyuan_image_vae, latent, 192, 64,
+                                                        "HunyuanImage 2.1")
     assert "HunyuanImage 2.1 VAE" in report and "mode=spatial" in report and "seams exact" in report, report
     assert ours.shape == ref.shape == (1, 384, 320, 3)
     assert p_ours >= 45 and p_ours >= p_comfy + 10, (p_ours, p_comfy)
