@@ -2,8 +2,10 @@
 
 How it cooperates (legacy ModelPatcher path, ComfyUI 0.3.x-0.8 and later without DynamicVRAM):
 - Everything is installed on a clone through keyed wrappers: ``OUTER_SAMPLE`` scopes one
-  sampling run, ``DIFFUSION_MODEL`` attaches the engine on the first model call (after ComfyUI
-  has loaded and patched the model). Both undo what they did in ``finally``.
+  sampling run, ``APPLY_MODEL`` attaches the engine on the first model call (after ComfyUI
+  has loaded and patched the model, before the diffusion model runs: every architecture goes
+  through ``BaseModel.apply_model``, while some, SD3's MMDiT among them, never run the
+  ``DIFFUSION_MODEL`` wrappers). Both undo what they did in ``finally``.
 - During the run, three instance attributes on the executing patcher (never on the class or the
   shared module) make ComfyUI load only the non-streamed part: ``_load_list`` omits the streamed
   blocks' modules, ``load`` never takes the full-load ``model.to(device)`` shortcut, and
@@ -33,8 +35,8 @@ from torch import nn
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
-    measure_bandwidth, spend_leftover
-from ..core.residency.transport import Transport, make_transport
+    measure_bandwidth, slot_bound, spend_leftover
+from ..core.residency.transport import Transport, make_transport, tensor_nbytes
 from .comfy_mode import dynamic_vram_active, patcher_is_dynamic, unload_entries_of
 from .inputs import require_model
 
@@ -73,19 +75,31 @@ def _staging(widest_bytes: int, cfg: PrefetchConfig) -> int:
     return staging_nbytes(widest_bytes // 2) if cfg.packed else 0
 
 
-def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig) -> int:
-    """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots."""
+def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig,
+                     n_dtypes: int = 1) -> int:
+    """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots (blocks in
+    ``n_dtypes`` dtypes)."""
     n = len(block_bytes)
     g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
     d = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
     if cfg.resident_groups != AUTO:
-        return min(n, cfg.resident_groups * g)
+        k = min(n, cfg.resident_groups * g)
+        # streamed groups that would each keep one of the d + 1 slots move nothing, on more memory than the
+        # blocks take loaded: ComfyUI loads them instead
+        return n if slots_hold_all(n - k, g, d) else k
     for k in range(n, -1, -1):
         rest = block_bytes[k:]
         widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
-        if other_bytes + sum(block_bytes[:k]) + (d + 1) * widest + _staging(widest, cfg) <= budget:
+        if other_bytes + sum(block_bytes[:k]) + (d + 1) * slot_bound(widest, n_dtypes) + _staging(widest, cfg) \
+                <= budget:
             return k
     return 0
+
+
+def slots_hold_all(streamed_blocks: int, blocks_per_group: int, depth: int) -> bool:
+    """Whether ``streamed_blocks`` in groups of ``blocks_per_group`` would each keep one of the ``depth + 1``
+    device slots (nothing would cycle through them)."""
+    return 0 < -(-streamed_blocks // blocks_per_group) <= depth + 1
 
 
 @dataclass(frozen=True)
@@ -101,12 +115,12 @@ class SplitLayout:
 
 
 def _own_bytes(m: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return sum(tensor_nbytes(p) for p in m.parameters(recurse=False))
 
 
 def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
-                  cfg: PrefetchConfig = PrefetchConfig()) -> SplitLayout | None:
-    """The smallest head cap whose layout fits: other + tails + (depth + 1) x cap (+ staging) <= budget.
+                  cfg: PrefetchConfig = PrefetchConfig(), n_dtypes: int = 1) -> SplitLayout | None:
+    """The smallest head cap whose layout fits: other + tails + (depth + 1) x slot (+ staging) <= budget.
 
     A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
     leading leaf modules (registration order) up to the cap; the tail is the rest. Streamed bytes
@@ -129,7 +143,8 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
         cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
-        need = other_bytes + total_blocks - streamed + (depth + 1) * max(heads) + _staging(max(heads), cfg)
+        need = (other_bytes + total_blocks - streamed + (depth + 1) * slot_bound(max(heads), n_dtypes)
+                + _staging(max(heads), cfg))
         if need > budget:
             continue
         cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
@@ -161,7 +176,8 @@ class _Session:
         cfg = state.request.config
         if cfg.packed and not packing_supported(patcher.load_device)[0]:
             cfg = replace(cfg, packed=False)     # no staging buffer to budget: weights will stream as stored
-        self.k = _resident_blocks(sizes, other, self.budget, cfg)
+        n_dtypes = len({t.dtype for _, b in self.layout.blocks for t in [*b.parameters(), *b.buffers()]})
+        self.k = _resident_blocks(sizes, other, self.budget, cfg, n_dtypes)
         self.streamed = self.layout.blocks[self.k:]
         self.streamed_bytes = sum(sizes[self.k:])
         self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
@@ -169,7 +185,7 @@ class _Session:
         if (cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
                 and not math.isinf(self.budget) and self.streamed):
             depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
-            split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg)
+            split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg, n_dtypes)
             if split is not None and split.streamed_bytes < self.streamed_bytes:
                 self.split, self.k = split, 0
                 self.streamed = [self.layout.blocks[b] for b in split.streamed]
@@ -275,7 +291,15 @@ class _Session:
     def attach(self) -> None:
         """First model call of the run: ComfyUI has loaded and patched; stream the rest."""
         if not self.streamed:
-            self.skip_reason = "everything fits the budget: nothing to stream"
+            cfg = self.state.request.config
+            g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
+            if cfg.resident_groups != AUTO and cfg.resident_groups * g < len(self.layout.blocks):
+                d = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+                self.skip_reason = (f"resident_groups={cfg.resident_groups} leaves too few groups to stream: each "
+                                    f"would keep one of the {d + 1} device slots and nothing would move, on more "
+                                    "memory than those blocks take loaded, so ComfyUI loads every block")
+            else:
+                self.skip_reason = "everything fits the budget: nothing to stream"
             return
         dev = self.patcher.load_device
         if torch.device(dev).type != "cpu" and self._streamed_on_device():
@@ -337,8 +361,13 @@ class _Session:
             # weights patched now but not last run, or last run but not now (ComfyUI may have patched or restored
             # them in place, which no pointer shows) are re-packed; a patch kept across runs is left alone (a new
             # strength rewrites the weight, which the store's pointer check or sampled fingerprint catches)
-            cached[1].refresh(transport, force=self._entries(cached[1], before ^ patched))
-            return cached[1]
+            try:
+                cached[1].refresh(transport, force=self._entries(cached[1], before ^ patched))
+                return cached[1]
+            except RuntimeError as exc:
+                # a streamed weight changed kind (dtype, shape, or a quantized weight replaced by a plain one):
+                # this store no longer describes the blocks; build a new one
+                log.info("levers: GroupPrefetch rebuilds its host copies: %s", exc)
         if cached is not None:
             cached[1].restore(transport)
         store = HostStore(self.streamed, transport, pin=cfg.pin, exclude=tails, packed=packed)
@@ -347,7 +376,10 @@ class _Session:
 
     def _entries(self, store: HostStore, keys: set[str]) -> list:
         """The store entries holding these ``diffusion_model.``-prefixed weight keys."""
-        by_ref = {(id(r.owner), r.name): e for e in store.entries for r in e.refs}
+        by_ref: dict[tuple[int, str], list] = {}     # a wrapper subclass weight is several entries
+        for e in store.entries:
+            for r in e.refs:
+                by_ref.setdefault((id(r.owner), r.name), []).append(e)
         out = []
         for key in keys:
             path, _, name = key[len("diffusion_model."):].rpartition(".")
@@ -355,9 +387,7 @@ class _Session:
                 owner = self.root.get_submodule(path)
             except AttributeError:
                 continue
-            e = by_ref.get((id(owner), name))
-            if e is not None:
-                out.append(e)
+            out.extend(by_ref.get((id(owner), name), []))
         return out
 
     @staticmethod
@@ -444,7 +474,7 @@ class PrefetchState:
             from .phase import send_to_node
             send_to_node(self.last_report, self.node_id)   # the achieved numbers, on the node; fail-soft
 
-    def diffusion_model(self, executor, *args, **kwargs):
+    def apply_model(self, executor, *args, **kwargs):
         s = self.session
         if s is not None and s.handle is None and s.skip_reason is None:
             s.attach()
@@ -476,12 +506,13 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     if patcher_is_dynamic(clone) or dynamic_vram_active():
         return clone, stand_aside_line()
     state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
-    clone.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-    clone.remove_wrappers_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY)
+    for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
+        clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached
     clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)
-    clone.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, state.diffusion_model)
+    clone.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, state.apply_model)
     sizes = [module_bytes(m) for _, m in layout.blocks]
-    lines = [f"GroupPrefetch installed: {len(sizes)} {layout.architecture} blocks, {_gb(sum(sizes))} in blocks, "
+    lines = [f"GroupPrefetch installed: {len(sizes)} blocks of {type(diffusion).__name__} ({layout.architecture} "
+             f"layout), {_gb(sum(sizes))} in blocks, "
              f"{_gb(module_bytes(diffusion) - sum(sizes))} outside them.",
              f"settings: blocks_per_group={config.blocks_per_group}, prefetch_depth={config.prefetch_depth}, "
              f"resident_groups={config.resident_groups}, VRAM budget="

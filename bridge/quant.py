@@ -346,9 +346,24 @@ def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
     sigma = torch.tensor([float(model.model_sampling.percent_to_sigma(0.5))])
     extra = {}
     adm = getattr(model, "adm_channels", 0) or 0
+    vec = unet_config.get("vec_in_dim")
     if adm:  # SDXL-style pooled vector
         extra["y"] = torch.randn(1, adm, generator=g)
+    elif isinstance(vec, int) and vec > 0:  # Flux-style pooled text vector (HunyuanVideo requires it)
+        extra["y"] = torch.randn(1, vec, generator=g)
+    if _required_argument(model.diffusion_model, "guidance"):   # Chroma takes a guidance value, unused or not
+        extra["guidance"] = torch.full((1,), 3.5)
     return x, sigma, context, extra
+
+
+def _required_argument(module, name: str) -> bool:
+    import inspect
+
+    try:
+        param = inspect.signature(module.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 # the first layer that reads the text context, per architecture family (its in_features is the width)

@@ -402,6 +402,120 @@ def test_blocks_called_out_of_order_are_still_correct():
         h.remove()
 
 
+class _EmbedSequential(torch.nn.Sequential):
+    """ComfyUI's TimestepEmbedSequential: the model runs its layers itself, never this forward."""
+
+
+class _ToyUNet(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.time_embed = torch.nn.Linear(d, d)
+        self.input_blocks = torch.nn.ModuleList(
+            _EmbedSequential(torch.nn.Linear(d, d), torch.nn.GELU(), torch.nn.Linear(d, d)) for _ in range(3))
+        self.middle_block = _EmbedSequential(torch.nn.Linear(d, d), torch.nn.Linear(d, d))
+        self.output_blocks = torch.nn.ModuleList(_EmbedSequential(torch.nn.Linear(2 * d, d)) for _ in range(3))
+        self.out = torch.nn.Linear(d, d)
+
+    @staticmethod
+    def _run(seq, h):              # like ComfyUI's forward_timestep_embed: the layers, one by one
+        for layer in seq:
+            h = layer(h)
+        return h
+
+    def forward(self, x):
+        h, hs = x + self.time_embed(x), []
+        for blk in self.input_blocks:
+            h = self._run(blk, h)
+            hs.append(h)
+        h = self._run(self.middle_block, h)
+        for blk in self.output_blocks:
+            h = self._run(blk, torch.cat([h, hs.pop()], -1))
+        return self.out(h)
+
+
+def test_sequential_blocks_whose_layers_the_model_runs_itself_still_stream():
+    """ComfyUI's UNet never calls a TimestepEmbedSequential block, only its layers: hooks on the block itself
+    never fired, so nothing streamed (on a GPU the layers would have read host weights)."""
+    m = _ToyUNet()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = m(x)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0)
+    try:
+        assert h.layout.architecture == "sdxl_unet" and len(h.stream_order) == 7
+        expected = _streamed_bytes(h)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref)      # the first forward also copies the next one's first group
+            for _ in range(3):
+                assert torch.equal(m(x), ref)
+                assert h.last.h2d_bytes == expected > 0 and h.last.d2h_bytes == 0
+        assert h.last.misses == 0
+        computed = [op.tag for op in tr.ops if op.kind == "compute"][-7:]
+        assert computed == [f"group{g}" for g in h.stream_order]
+    finally:
+        h.remove()
+    assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in m.modules())
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+
+
+def test_installed_during_a_forward_of_a_hooked_model_counts_from_the_next_forward():
+    """Installed from inside a model call (as a ComfyUI wrapper does) on a module that already has a forward hook:
+    torch collected that call's pre-hooks before the engine's existed but runs its end hook, which read a start
+    mark never taken (TypeError on the next forward's timing)."""
+    m = make_wan()
+    x = wan_inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    m.register_forward_hook(lambda mod, args, out: None)    # another node's hook, a profiler...
+    handle, forward = {}, m.forward
+
+    def installing_forward(*args):
+        if "h" not in handle:
+            handle["h"] = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), _rec(),
+                                               bandwidth=0)
+        return forward(*args)
+    m.forward = installing_forward
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(*x), ref)
+        h = handle["h"]
+        assert h.forwards == 2 and h.last.h2d_bytes == _streamed_bytes(h)
+        h.stats()
+    finally:
+        handle["h"].remove()
+
+
+def test_streamed_groups_that_would_each_keep_a_slot_stay_resident():
+    """resident_groups=1 of 3 groups leaves 2 streamed groups for 2 slots: each would keep its slot, nothing would
+    move, and the slots hold at least those blocks. The engine keeps every group resident and says why."""
+    m = make_wan()
+    x = wan_inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 1, BIG, partial_blocks=False), tr, bandwidth=0)
+    try:
+        s = h.stats()
+        assert h.stream_order == [] and s["slot_bytes"] == 0 and s["resident_groups"] == 3
+        assert any("all groups are resident" in n for n in h.notes), h.notes
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(*x), ref)
+                assert h.last.h2d_bytes == 0
+    finally:
+        h.remove()
+    # without a resident prefix the three groups cycle through the two slots as before
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 0, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        assert len(h.stream_order) == 3
+    finally:
+        h.remove()
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="blocks_per_group"):
         PrefetchConfig(blocks_per_group=0)

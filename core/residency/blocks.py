@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import subclass
+
 # (architecture, block containers in execution order). The first entry whose containers all
 # exist wins, so more specific layouts come first.
 _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -53,7 +55,7 @@ class BlockLayout:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return subclass.nbytes(t)
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -66,6 +68,19 @@ def module_bytes(module: nn.Module) -> int:
         seen.add(id(t))
         total += _nbytes(t)
     return total
+
+
+def entry_exit(block: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The modules whose calls mark where ``block`` starts and ends running.
+
+    A sequential block is entered at its first layer and left at its last: ComfyUI's UNet runs
+    each ``TimestepEmbedSequential`` by calling its layers from a helper, never the block's own
+    ``forward``, so hooks on the block itself would never fire. When the block's own forward
+    does run, it calls the same layers in the same order, so the marks are the same.
+    """
+    if isinstance(block, nn.Sequential) and len(block) > 0:
+        return block[0], block[-1]
+    return block, block
 
 
 def _unwrap(module: nn.Module) -> tuple[nn.Module, str]:
@@ -84,7 +99,7 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, str]:
 def _container_items(root: nn.Module, attr: str) -> list[tuple[str, nn.Module]] | None:
     child = getattr(root, attr, None)
     if isinstance(child, nn.Module) and attr == "middle_block":
-        return [(attr, child)]     # the SDXL middle block is called as one module
+        return [(attr, child)]     # the SDXL middle block is one block (its layers run as one unit)
     if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
         return [(f"{attr}.{i}", m) for i, m in enumerate(child)]
     return None

@@ -6,8 +6,12 @@ Layout (what lives where):
   contiguous slice of each arena: one copy per dtype per group, and regrouping needs no repack.
   The arena is page-locked in place when the transport can pin. Streamed parameters point at
   their arena view whenever their group is not computing (zero bytes moved to "offload").
-- Device: ``prefetch_depth + 1`` static slots per dtype sized for the largest group (allocated
+- Device: ``prefetch_depth + 1`` static slots of bytes sized for the largest group (allocated
   once, never freed in the hot path), a resident prefix of groups, and the remainder.
+- Quantized weights held as wrapper subclasses (ComfyUI's ``QuantizedTensor``, ``subclass.py``)
+  stream as the plain tensors inside them (fp8 codes and scales): their host copies stay in the
+  wrapper, and a device wrapper around the slot's copies, built once per slot, takes the
+  parameter's place while its group computes.
 - Split blocks (``partial_blocks``): a streamed block may keep the tail of its tensors resident and
   stream only a head of at most ``cap`` bytes. Slots then hold ``cap`` instead of a whole block, so
   under a tight budget the room whole-block slots would take keeps weights resident instead: with
@@ -36,7 +40,8 @@ import torch
 from torch import nn
 
 from ..errors import BudgetExceeded, ConfigError
-from .blocks import BlockLayout, find_blocks
+from . import subclass
+from .blocks import BlockLayout, entry_exit, find_blocks
 from .packed import (PACKABLE, PackedArena, pack, packed_nbytes, packing_supported, repack_ranges, staging_caps,
                      staging_nbytes, unpack)
 from .transport import PinResult, Transport, note_compute, tensor_nbytes
@@ -45,6 +50,7 @@ AUTO = "auto"
 ALIGN_BYTES = 64          # slice alignment inside arenas and slots (DMA- and vector-friendly)
 MAX_AUTO_DEPTH = 4
 CALIBRATION_FORWARD = 1   # index of the forward whose per-block compute is measured
+SLOT_ALIGN = 512          # bytes: where each dtype's region starts in a device slot (the CUDA allocator's alignment)
 _GIB = 1024 ** 3
 
 
@@ -108,8 +114,7 @@ def _dense_span(t: torch.Tensor) -> int | None:
     return span if span == t.numel() and all(st >= 0 for st in t.stride()) else None
 
 
-def _is_plain(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, nn.Parameter) and type(t.data) is torch.Tensor
+_is_plain = subclass.is_plain
 
 
 @dataclass
@@ -117,10 +122,15 @@ class _Ref:
     owner: nn.Module
     name: str
     is_param: bool
+    inner: subclass.Path = ()     # the plain tensor at this path inside a wrapper subclass
 
-    def get(self) -> torch.Tensor | None:
+    def outer(self) -> torch.Tensor | None:
         table = self.owner._parameters if self.is_param else self.owner._buffers
         return table.get(self.name)
+
+    def get(self) -> torch.Tensor | None:
+        t = self.outer()
+        return subclass.leaf(t, self.inner) if self.inner else t
 
 
 @dataclass
@@ -137,6 +147,24 @@ class _Entry:
     orig_device: torch.device
     host_view: torch.Tensor | None = None
     tensor: torch.Tensor | None = None  # the object whose .data is swapped (refreshed on attach)
+    wrapped: "_Wrapped | None" = None   # the wrapper subclass this is an inner tensor of
+
+
+@dataclass
+class _Wrapped:
+    """A parameter held as a wrapper subclass: its inner tensors are entries (``leaves``); on the
+    device a wrapper around their device copies takes the parameter's place (``subclass.rebuild``)."""
+
+    refs: list[_Ref]
+    leaves: list[tuple[subclass.Path, _Entry]] = field(default_factory=list)
+    host: torch.Tensor | None = None      # the module's own wrapper (host copies inside), set by the engine
+
+    def outer(self) -> torch.Tensor | None:
+        return self.refs[0].outer()
+
+    def set(self, value: torch.Tensor) -> None:
+        for r in self.refs:
+            _set(r, value)
 
 
 def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
@@ -167,6 +195,7 @@ class HostStore:
         self.by_block: list[list[_Entry]] = [[] for _ in blocks]
         self.kept: list[tuple[str, str]] = []          # (tensor name, why it is not streamed)
         self.kept_refs: list[_Ref] = []
+        self.wrapped: list[_Wrapped] = []               # wrapper-subclass parameters streamed by their leaves
         self.arenas: dict[torch.dtype, torch.Tensor] = {}
         self.block_range: dict[torch.dtype, list[tuple[int, int]]] = {}
         self.pin_results: dict[torch.dtype, PinResult] = {}
@@ -188,7 +217,8 @@ class HostStore:
         # their arenas, slots and views must be inference tensors too (a normal tensor assigned
         # to an inference parameter's .data breaks its ops), and copies into them must run in
         # inference mode. Models built normally get normal tensors for the same reason.
-        self.inference = any(t.is_inference() for _, b in blocks for t in list(b.parameters()) + list(b.buffers()))
+        self.inference = any(x.is_inference() for _, b in blocks for t in list(b.parameters()) + list(b.buffers())
+                             for x in ([t] if _is_plain(t) else [x for _, x in subclass.leaves(t) or []]))
         self._collect(blocks)
         self._allocate(transport, pin)
         self._stage_all(transport)
@@ -201,8 +231,22 @@ class HostStore:
         for b, (_, block) in enumerate(blocks):
             for t in list(block.parameters()) + list(block.buffers()):
                 owners.setdefault(id(t), set()).add(b)
-        by_id: dict[int, _Entry | None] = {}
+        by_id: dict[int, _Entry | _Wrapped | None] = {}
         cursor: dict[torch.dtype, int] = {}
+
+        def add(b: int, t: torch.Tensor, refs: list[_Ref], wrapped: _Wrapped | None = None) -> _Entry:
+            span = _dense_span(t)
+            stride = tuple(t.stride()) if span is not None else _contiguous_stride(t.shape)
+            span = span if span is not None else t.numel()
+            align = max(1, ALIGN_BYTES // t.element_size())
+            start = cursor.get(t.dtype, 0)
+            start = -(-start // align) * align
+            e = _Entry(refs, b, t.dtype, tuple(t.shape), stride, start, span, t.device, wrapped=wrapped)
+            cursor[t.dtype] = start + span
+            self.entries.append(e)
+            self.by_block[b].append(e)
+            return e
+
         for b, (bname, block) in enumerate(blocks):
             for mname, mod in block.named_modules():
                 for is_param, table in ((True, mod._parameters), (False, mod._buffers)):
@@ -217,13 +261,22 @@ class HostStore:
                         ref = _Ref(mod, name, is_param)
                         full = f"{bname}.{mname + '.' if mname else ''}{name}"
                         if id(t) in by_id:
-                            by_id[id(t)].refs.append(ref)   # tied inside one block
+                            tied = by_id[id(t)]       # tied inside one block
+                            tied.refs.append(ref)
+                            for path, e in getattr(tied, "leaves", ()):
+                                e.refs.append(_Ref(mod, name, is_param, path))
                             continue
-                        why = None
+                        why, inner = None, None
                         if len(owners[id(t)]) > 1:
                             why = "shared between blocks"
                         elif not _is_plain(t):
-                            why = f"tensor subclass {type(t.data).__name__} (cannot be rebound by pointer swap)"
+                            inner = subclass.leaves(t)
+                            if inner is None:
+                                why = f"tensor subclass {type(t.data).__name__} (no plain inner tensors to stream)"
+                            elif t.device.type != "cpu":
+                                why = f"tensor subclass {type(t.data).__name__} on {t.device} (streamed from the host)"
+                            elif any(x.numel() == 0 or x.device != t.device for _, x in inner):
+                                why = f"tensor subclass {type(t.data).__name__} with empty or scattered inner tensors"
                         elif t.numel() == 0:
                             why = "empty"
                         if why is not None:
@@ -231,17 +284,13 @@ class HostStore:
                             self.kept_refs.append(ref)
                             by_id[id(t)] = _Entry([ref], b, t.dtype, (), (), 0, 0, t.device)  # placeholder
                             continue
-                        span = _dense_span(t)
-                        stride = tuple(t.stride()) if span is not None else _contiguous_stride(t.shape)
-                        span = span if span is not None else t.numel()
-                        align = max(1, ALIGN_BYTES // t.element_size())
-                        start = cursor.get(t.dtype, 0)
-                        start = -(-start // align) * align
-                        e = _Entry([ref], b, t.dtype, tuple(t.shape), stride, start, span, t.device)
-                        cursor[t.dtype] = start + span
-                        by_id[id(t)] = e
-                        self.entries.append(e)
-                        self.by_block[b].append(e)
+                        if inner is not None:
+                            w = _Wrapped([ref])
+                            w.leaves = [(path, add(b, x, [_Ref(mod, name, is_param, path)], w)) for path, x in inner]
+                            self.wrapped.append(w)
+                            by_id[id(t)] = w
+                            continue
+                        by_id[id(t)] = add(b, t, [ref])
         # per-block element range in each arena (empty ranges sit at the previous block's end)
         for dtype, end in cursor.items():
             align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
@@ -625,6 +674,17 @@ def simulate_forward(pre_compute: float, compute: Sequence[float], copy: Sequenc
     return last
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a slot region's alignment (0 stays 0)."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def slot_bound(widest_bytes: int, n_dtypes: int) -> int:
+    """At most the bytes of a device slot for a group of ``widest_bytes`` in ``n_dtypes`` dtypes (each
+    dtype's region starts aligned): what callers that plan around the engine budget for one slot."""
+    return widest_bytes + SLOT_ALIGN * n_dtypes
+
+
 def _layout_bytes(store: HostStore, g: int, d: int, r: int) -> tuple[int, int, int, int]:
     """(resident block bytes, slot bytes, streamed bytes per forward, n_groups) for a grouping.
     Streamed bytes are what crosses the bus (packed where the store packs); slot bytes include the
@@ -633,11 +693,13 @@ def _layout_bytes(store: HostStore, g: int, d: int, r: int) -> tuple[int, int, i
     n_groups = -(-n // g)
     res_blocks = min(n, r * g)
     resident = store.group_bytes(0, res_blocks) if res_blocks else 0
-    slot = 0
+    per_group = [0] * max(0, n_groups - r)
     spans: dict[torch.dtype, list[tuple[int, int]]] = {}
     for dtype, arena in store.arenas.items():
         spans[dtype] = [store.span(dtype, gi * g, min(n, (gi + 1) * g)) for gi in range(r, n_groups)]
-        slot += max((hi - lo for lo, hi in spans[dtype]), default=0) * arena.element_size()
+        for i, (lo, hi) in enumerate(spans[dtype]):
+            per_group[i] += aligned((hi - lo) * arena.element_size())
+    slot = max(per_group, default=0)
     streamed, staging = store.stream_cost(spans)
     slots = (d + 1) * slot + staging if n_groups > r else 0
     return resident, slots, streamed, n_groups
@@ -690,6 +752,7 @@ def _plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, 
     fixed_g, fixed_d, fixed_r = config.blocks_per_group, config.prefetch_depth, config.resident_groups
     gs = [min(fixed_g, n)] if fixed_g != AUTO else list(range(1, n + 1))
     best: GroupPlan | None = None
+    held: GroupPlan | None = None     # best plan whose slots hold every streamed group (nothing cycles)
     smallest_need: int | None = None
     for g in gs:
         n_groups = -(-n // g)
@@ -700,6 +763,11 @@ def _plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, 
                 streamed_groups = n_groups - r
                 if fixed_d == AUTO and streamed_groups and d >= streamed_groups and d > 1:
                     continue   # deeper than the stream: the slots would just hold everything
+                holds_all = 0 < streamed_groups <= d + 1
+                if holds_all and config.manage_resident:
+                    # each streamed group would keep a slot of its own: nothing would move, and the d + 1 slots
+                    # hold at least those groups' bytes. Keep them resident instead
+                    r, streamed_groups, holds_all = n_groups, 0, False
                 resident, slots, streamed, _ = _layout_bytes(store, g, d, r)
                 need = remainder_bytes + resident + slots
                 smallest_need = need if smallest_need is None else min(smallest_need, need)
@@ -707,7 +775,9 @@ def _plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, 
                     continue
                 plan = _score(store, g, d, r, n_groups, need, slots, streamed, bandwidth,
                               block_compute_s, other_compute_s)
-                if best is None or _better(plan, best):
+                if holds_all:       # the caller placed the rest: only when no grouping cycles through the slots
+                    held = plan if held is None or _better(plan, held) else held
+                elif best is None or _better(plan, best):
                     best = plan
                 break   # r descends: the first that fits is the most resident for (g, d)
     if config.partial_blocks and fixed_g in (AUTO, 1) and fixed_r in (AUTO, 0) and n:
@@ -721,6 +791,7 @@ def _plan_groups(store: HostStore, config: PrefetchConfig, budget_bytes: float, 
             plan = _score_split(store, d, cuts, need, slots, streamed, bandwidth, block_compute_s, other_compute_s)
             if best is None or _better(plan, best):
                 best = plan
+    best = best if best is not None else held
     if best is None:
         raise BudgetExceeded(int(smallest_need or 0), int(budget_bytes), "diffusion_model (group prefetch)",
                              hint="Raise the VRAM budget, use smaller groups (blocks_per_group=1, prefetch_depth=1, "
@@ -732,13 +803,16 @@ def _split_layout(store: HostStore, cuts: Sequence[int], d: int) -> tuple[int, i
     """(device bytes of the blocks: resident tails + slots, slot bytes, streamed bytes over the bus)
     of a split plan (slot bytes include a packed store's staging buffer, as in ``_layout_bytes``)."""
     table = store.head_table()
-    slot = heads = 0
+    heads = 0
+    per_block = [0] * len(cuts)
     spans: dict[torch.dtype, list[tuple[int, int]]] = {}
     for dtype, arena in store.arenas.items():
         widths = [table[dtype][b][k] for b, k in enumerate(cuts)]
         heads += sum(widths) * arena.element_size()
-        slot += max(widths, default=0) * arena.element_size()
+        for b, w in enumerate(widths):
+            per_block[b] += aligned(w * arena.element_size())
         spans[dtype] = [store.cut_span(dtype, b, k) for b, k in enumerate(cuts) if k]
+    slot = max(per_block, default=0)
     streamed, staging = store.stream_cost(spans)
     slots = (d + 1) * slot + staging if any(cuts) else 0
     return sum(store.block_bytes()) - heads + slots, slots, streamed
@@ -901,7 +975,7 @@ def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repea
 @dataclass
 class _Slot:
     index: int
-    buffers: dict[torch.dtype, torch.Tensor]
+    buffer: torch.Tensor     # bytes; each group's dtypes are views of consecutive aligned regions
     group: int | None = None
     event: Any = None
     last_use: int = 0
@@ -927,6 +1001,13 @@ class _Group:
     host: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # arena slices
     spans: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)   # their element ranges
     entries: list[_Entry] = field(default_factory=list)
+    plain: list[_Entry] = field(default_factory=list)        # entries bound by pointer swap
+    wrapped: list[_Wrapped] = field(default_factory=list)    # wrapper subclasses with an inner tensor here
+
+    def set_entries(self, entries: list[_Entry]) -> None:
+        self.entries = entries
+        self.plain = [e for e in entries if e.wrapped is None]
+        self.wrapped = list({id(e.wrapped): e.wrapped for e in entries if e.wrapped is not None}.values())
 
 
 @dataclass
@@ -963,6 +1044,8 @@ class PrefetchHandle:
         self._hooks: list[Any] = []
         self._moved: list[tuple[_Ref, torch.Tensor]] = []     # (ref, original object) moved to the device
         self._resident_bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._resident_leaves: dict[int, torch.Tensor] = {}    # device views of resident inner tensors
+        self._wrappers: dict[tuple[int, int], list[tuple[_Wrapped, torch.Tensor]]] = {}
         self._staging: dict[torch.dtype, _Staging] = {}
         self.slots: list[_Slot] = []
         self.groups: list[_Group] = []
@@ -1000,8 +1083,9 @@ class PrefetchHandle:
         self._hooks.append(root.register_forward_pre_hook(self._on_forward_start))
         self._hooks.append(root.register_forward_hook(self._on_forward_end))
         for b, (_, block) in enumerate(self.layout.blocks):
-            self._hooks.append(block.register_forward_pre_hook(self._make_pre(b)))
-            self._hooks.append(block.register_forward_hook(self._make_post(b)))
+            entry, exit_ = entry_exit(block)
+            self._hooks.append(entry.register_forward_pre_hook(self._make_pre(b)))
+            self._hooks.append(exit_.register_forward_hook(self._make_post(b)))
 
     def _device_remainder_bytes(self) -> int:
         """Device bytes outside the streamed/resident groups that the budget must cover: the
@@ -1058,6 +1142,8 @@ class PrefetchHandle:
         store, n = self.store, self.store.n_blocks
         g = plan.blocks_per_group
         self.plan = plan
+        for w in store.wrapped:
+            w.host = w.outer()      # the wrapper around the host copies, which the module holds between uses
         self.groups, self.group_of = [], [0] * n
         kept: list[tuple[int, int]] = []   # (block, first resident entry) per block with a resident part
         for gi in range(plan.n_groups):
@@ -1065,13 +1151,13 @@ class PrefetchHandle:
             if plan.split:
                 k = plan.cuts[gi]
                 grp = _Group(gi, b0, b1, k == 0, f"group{gi}")
-                grp.entries = store.by_block[b0][:k]
+                grp.set_entries(store.by_block[b0][:k])
                 spans = {d: store.cut_span(d, b0, k) for d in store.arenas}
                 if k < len(store.by_block[b0]):
                     kept.append((b0, k))
             else:
                 grp = _Group(gi, b0, b1, gi < plan.resident_groups, f"group{gi}")
-                grp.entries = [e for b in range(b0, b1) for e in store.by_block[b]]
+                grp.set_entries([e for b in range(b0, b1) for e in store.by_block[b]])
                 spans = {d: store.span(d, b0, b1) for d in store.arenas}
                 if grp.resident and self.config.manage_resident:
                     kept.extend((b, 0) for b in range(b0, b1))
@@ -1094,32 +1180,42 @@ class PrefetchHandle:
             self._place_resident(kept)
             if not plan.split and not self.config.manage_resident and plan.resident_groups:
                 self.notes.append("resident groups are placed by the caller (manage_resident=False)")
-            # static slots, sized for the widest streamed group per dtype
+            # static slots of bytes, sized for the widest streamed group (all its dtypes together: per-dtype
+            # slots sized for each dtype's widest group would hold more when different groups are widest)
             if self.stream_order:
-                widest: dict[torch.dtype, int] = {}
-                for gi in self.stream_order:
-                    for dtype, sl in self.groups[gi].host.items():
-                        widest[dtype] = max(widest.get(dtype, 0), sl.numel())
+                width = max(sum(aligned(sl.numel() * sl.element_size()) for sl in self.groups[gi].host.values())
+                            for gi in self.stream_order)
                 n_slots = min(plan.prefetch_depth + 1, len(self.stream_order) + 1)
-                self.slots = [_Slot(i, {d: self.transport.empty((w,), d) for d, w in widest.items()})
-                              for i in range(n_slots)]
-                # device views per (group, slot), created once (no view creation in the hot path)
-                self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+                self.slots = [_Slot(i, self.transport.empty((width,), torch.uint8)) for i in range(n_slots)]
+                # copy destinations, device views and device wrappers per (group, slot), created once (none in
+                # the hot path)
+                self._views: dict[tuple[int, int], list[tuple[_Entry, torch.Tensor]]] = {}
+                self._wrappers: dict[tuple[int, int], list[tuple[_Wrapped, torch.Tensor]]] = {}
+                self._dst: dict[tuple[int, int], dict[torch.dtype, torch.Tensor]] = {}
                 for gi in self.stream_order:
                     grp = self.groups[gi]
                     for s in self.slots:
-                        views = []
-                        for e in grp.entries:
-                            lo = store.span(e.dtype, grp.b0, grp.b1)[0]
-                            views.append(s.buffers[e.dtype].as_strided(e.shape, e.stride, e.offset - lo))
-                        self._views[(gi, s.index)] = views
-                self._dst: dict[tuple[int, int], dict[torch.dtype, torch.Tensor]] = {
-                    (gi, s.index): {d: s.buffers[d][: sl.numel()] for d, sl in self.groups[gi].host.items()}
-                    for gi in self.stream_order for s in self.slots}
+                        dst, at = {}, 0
+                        for dtype, sl in grp.host.items():
+                            nbytes = sl.numel() * sl.element_size()
+                            dst[dtype] = s.buffer[at:at + nbytes].view(dtype)
+                            at += aligned(nbytes)
+                        self._dst[(gi, s.index)] = dst
+                        views = {id(e): dst[e.dtype].as_strided(e.shape, e.stride, dst[e.dtype].storage_offset()
+                                                                + e.offset - grp.spans[e.dtype][0])
+                                 for e in grp.entries}
+                        self._views[(gi, s.index)] = [(e, views[id(e)]) for e in grp.plain]
+                        self._wrappers[(gi, s.index)] = [(w, self._device_wrapper(w, views)) for w in grp.wrapped]
         self._slot_of: dict[int, _Slot] = {}
-        if self.stream_order and len(self.stream_order) <= plan.prefetch_depth:
-            self.notes.append(f"only {len(self.stream_order)} streamed group(s) for prefetch_depth="
-                              f"{plan.prefetch_depth}: they stay in their slots after the first forward")
+        if self.stream_order and len(self.stream_order) <= len(self.slots):
+            self.notes.append(f"only {len(self.stream_order)} streamed group(s) for {len(self.slots)} device slots "
+                              f"(prefetch_depth={plan.prefetch_depth}): each keeps its slot after the first forward, "
+                              "so nothing moves per step")
+        fixed_r = self.config.resident_groups
+        if self.config.manage_resident and fixed_r != AUTO and plan.resident_groups > fixed_r and not plan.split:
+            self.notes.append(f"resident_groups={fixed_r} would leave {plan.n_groups - fixed_r} streamed group(s) for "
+                              f"{plan.prefetch_depth + 1} device slots: each would keep its slot and nothing would "
+                              "move, on more memory than those blocks take resident; all groups are resident")
 
     def _allocate_staging(self) -> None:
         """One staging buffer per packed dtype, sized for its widest streamed group (values and escapes)."""
@@ -1187,7 +1283,15 @@ class PrefetchHandle:
                     if e.dtype != dtype:
                         continue
                     lo, _, at = next(w for w in where if w[0] <= e.offset < w[1])
-                    _bind(e, buf.as_strided(e.shape, e.stride, at + e.offset - lo))
+                    view = buf.as_strided(e.shape, e.stride, at + e.offset - lo)
+                    if e.wrapped is None:
+                        _bind(e, view)
+                    else:
+                        self._resident_leaves[id(e)] = view
+        # wrapper subclasses all of whose inner tensors are resident: a device wrapper, for good
+        for w in store.wrapped:
+            if all(id(e) in self._resident_leaves for _, e in w.leaves):
+                w.set(self._device_wrapper(w, {}))
         if self._resident_bufs:
             ev = self.transport.record("resident")
             self.transport.wait(ev, "resident")
@@ -1197,10 +1301,19 @@ class PrefetchHandle:
         if self.bound is not None:
             self._release(self.bound)
         self.transport.synchronize()   # one-time (re-plan / remove): in-flight copies must finish first
+        for w in self.store.wrapped:
+            if w.host is not None:
+                w.set(w.host)
         for e in self.store.entries:
             HostStore._bind_host(e)
         self.slots, self._slot_of, self._resident_bufs, self._staging = [], {}, {}, {}
-        self._views, self._dst = {}, {}
+        self._views, self._dst, self._wrappers, self._resident_leaves = {}, {}, {}, {}
+
+    def _device_wrapper(self, w: _Wrapped, views: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``w``'s wrapper around device copies of its inner tensors: those in ``views`` (a slot), else
+        resident ones."""
+        return subclass.rebuild(w.host, {path: views.get(id(e), self._resident_leaves.get(id(e)))
+                                         for path, e in w.leaves})
 
     # hooks ---------------------------------------------------------------------------------
     def _make_pre(self, b: int):
@@ -1234,8 +1347,12 @@ class PrefetchHandle:
     def _on_forward_end(self, module, args, output):
         if self.bound is not None:
             self._release(self.bound)
+        start, self._fwd_start_mark = self._fwd_start_mark, None
+        if start is None:
+            # installed while this forward ran (its pre-hooks were already collected): not a forward to count
+            return
         end = self.clock.mark()
-        self._fwd_marks.append((self._fwd_start_mark, end))
+        self._fwd_marks.append((start, end))
         before, after = self._fwd_ledger or {}, self.transport.ledger.snapshot()
         self.last = ForwardStats(
             h2d_bytes=after["h2d_bytes"] - before.get("h2d_bytes", 0),
@@ -1244,7 +1361,7 @@ class PrefetchHandle:
             misses=self._misses)
         self.forwards += 1
         if self._calibrating:
-            self._calibration_pairs = (self._block_pairs, self._fwd_start_mark, end)
+            self._calibration_pairs = (self._block_pairs, start, end)
             self._calibrating = False
             if not self.clock.cuda:
                 self._collect_timings()   # CPU marks are ready now; CUDA ones are read next forward
@@ -1279,8 +1396,10 @@ class PrefetchHandle:
         self._prefetch(ahead, protect={g})
         # why: compute must not read the slot before the copy that fills it has finished
         self.transport.wait(slot.event, tag=self.groups[g].tag)
-        for e, view in zip(self.groups[g].entries, self._views[(g, slot.index)]):
+        for e, view in self._views[(g, slot.index)]:
             _bind(e, view)
+        for w, device_param in self._wrappers[(g, slot.index)]:
+            w.set(device_param)
         self._use_counter += 1
         slot.last_use = self._use_counter
         self.bound = g
@@ -1319,8 +1438,10 @@ class PrefetchHandle:
         return min(usable, key=lambda s: s.last_use)
 
     def _release(self, g: int) -> None:
-        for e in self.groups[g].entries:
+        for e in self.groups[g].plain:
             HostStore._bind_host(e)
+        for w in self.groups[g].wrapped:
+            w.set(w.host)
         self.transport.release(tag=self.groups[g].tag)
         self.bound = None
 
@@ -1391,7 +1512,7 @@ class PrefetchHandle:
                                 else min(self.store.n_blocks, p.resident_groups * p.blocks_per_group)),
             "streamed_bytes_per_forward": p.streamed_bytes,
             "resident_bytes": resident_dev + self.remainder_bytes,
-            "slot_bytes": sum(tensor_nbytes(b) for s in self.slots for b in s.buffers.values()),
+            "slot_bytes": sum(tensor_nbytes(s.buffer) for s in self.slots),
             "device_bytes_planned": p.device_bytes,
             "budget_bytes": None if math.isinf(self.budget_bytes) else int(self.budget_bytes),
             "host_bytes": self.store.host_bytes,

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from . import subclass
+
 
 @dataclass
 class Ledger:
@@ -55,7 +57,7 @@ class PinResult:
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return subclass.nbytes(t)
 
 
 class Transport:

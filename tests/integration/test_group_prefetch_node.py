@@ -259,7 +259,47 @@ def test_after_quantize_dit(comfy_env, tiny_wan):
     ref = tiny_wan.sample(qmodel)["samples"]
     clone, _, state = _prefetch(comfy_env, qmodel)
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
-    assert state.last_stats["last_forward"]["d2h_bytes"] == 0
+    stats = state.last_stats
+    assert stats["last_forward"]["d2h_bytes"] == 0
+    # the fp8 weights stream too (ComfyUI 0.8+ holds them as QuantizedTensor wrappers), as fp8 bytes: nothing
+    # in the streamed blocks stays behind, and a forward moves about half of what the 16-bit model's does
+    assert stats["kept_unstreamed"] == 0, state.last_report
+    assert stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"]
+    plain, _, plain_state = _prefetch(comfy_env, model)
+    tiny_wan.sample(plain)
+    assert stats["streamed_bytes_per_forward"] < 0.7 * plain_state.last_stats["streamed_bytes_per_forward"]
+
+
+def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
+    """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
+    host copies follow (and streamed, the output is the patched model's)."""
+    quant = _node(comfy_env, "LeversQuantizeDiT")
+    qmodel = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
+        quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn"))
+    sd = tiny_wan.load_model().model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("ffn.0.weight"))
+    lora = qmodel.clone()
+    g = torch.Generator().manual_seed(3)
+    lora.add_patches({f"diffusion_model.{key}": (torch.randn(sd[key].shape, generator=g) * 0.05,)}, 1.0)
+    ref = tiny_wan.sample(lora)["samples"]
+    assert not torch.equal(ref, tiny_wan.sample(qmodel)["samples"]), "the patch must change the output"
+    clone, _, state = _prefetch(comfy_env, lora)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats["kept_unstreamed"] == 0 and state.last_stats["last_forward"]["d2h_bytes"] == 0
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)        # a second run, store reused
+
+
+def test_too_few_groups_to_cycle_through_the_slots_load_with_comfyui(comfy_env, tiny_wan):
+    """4 blocks in groups of 2 with one resident: the one streamed group would keep a slot and move nothing."""
+    from comfyui_levers.bridge.prefetch import slots_hold_all
+
+    assert slots_hold_all(2, 2, 1) and slots_hold_all(4, 2, 1) and not slots_hold_all(6, 2, 1)
+    assert not slots_hold_all(0, 1, 1)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone, _, state = _prefetch(comfy_env, model, blocks_per_group=2, resident_groups=1)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats is None and "leaves too few groups to stream" in state.last_report, state.last_report
 
 
 def test_invalid_setting_names_the_field(comfy_env, tiny_wan):

@@ -1,0 +1,134 @@
+"""Tiny random-weight diffusion models of ComfyUI's own classes, one per architecture Levers streams.
+
+Each builder returns a ``TinyDiT``: a fresh ModelPatcher (same weights every call), conditioning and an empty
+latent, sized so a two-step sample takes well under a second on a CPU. Where ComfyUI's model detection accepts
+tiny sizes the model goes through its loader (``comfy.sd.load_diffusion_model_state_dict``); where detection
+only matches the released sizes (the SDXL UNet), through ``comfy.supported_models`` with a small config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tiny_models import fill_random_
+
+
+@dataclass
+class TinyDiT:
+    name: str
+    load: Callable[[], object]          # a fresh ModelPatcher
+    pos: list
+    neg: list
+    latent: dict
+
+    def sample(self, model, steps: int = 2, cfg: float = 2.0, seed: int = 0):
+        import nodes
+
+        return nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", self.pos, self.neg,
+                                     self.latent)[0]["samples"]
+
+
+def _cond(shape, seed: int, **extra):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(*shape, generator=g),
+             {k: torch.randn(*v, generator=g) if isinstance(v, tuple) else v for k, v in extra.items()}]]
+
+
+def _conds(tokens: int, width: int, seed: int, **extra):
+    return _cond((1, tokens, width), seed, **extra), _cond((1, tokens, width), seed + 1, **extra)
+
+
+def _loaded(cls, seed: int, **kwargs):
+    """A random state dict of ComfyUI class ``cls`` (built on the meta device), through ComfyUI's loader."""
+    import comfy.ops
+    import comfy.sd
+
+    m = cls(operations=comfy.ops.disable_weight_init, device="meta", dtype=torch.float32, **kwargs)
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in m.state_dict().items()}, seed)
+    return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
+
+
+def _patcher_from_config(config_cls, unet_config: dict, seed: int):
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    mc = config_cls(unet_config)
+    mc.set_inference_dtype(torch.float32, None)
+    model = mc.get_model({})
+    shapes = {k: torch.empty(v.shape) for k, v in model.diffusion_model.state_dict().items()}
+    model.diffusion_model.load_state_dict(fill_random_(shapes, seed))
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def tiny_sdxl() -> TinyDiT:
+    """SDXL's UNet (``model_base.SDXL``), two levels, one transformer depth: its blocks are
+    ``TimestepEmbedSequential``s whose layers the UNet runs itself."""
+    import comfy.supported_models as sm
+
+    config = dict(use_checkpoint=False, image_size=32, in_channels=4, out_channels=4, model_channels=32,
+                  num_res_blocks=[1, 1], channel_mult=[1, 2], transformer_depth=[0, 1],
+                  transformer_depth_output=[0, 0, 1, 1], transformer_depth_middle=1, use_spatial_transformer=True,
+                  use_linear_in_transformer=True, legacy=False, num_classes="sequential", adm_in_channels=2816,
+                  context_dim=64, num_head_channels=16, use_temporal_resblock=False, use_temporal_attention=False)
+    return TinyDiT("sdxl", lambda: _patcher_from_config(sm.SDXL, config, seed=0),
+                   _cond((1, 8, 64), 1, pooled_output=(1, 1280)), _cond((1, 8, 64), 2, pooled_output=(1, 1280)),
+                   {"samples": torch.zeros(1, 4, 16, 16)})
+
+
+def tiny_flux() -> TinyDiT:
+    """FLUX.1-dev (guidance embedding), 3 double + 2 single blocks of width 64 (the loader's detection fixes
+    heads of 128, so through ``supported_models``)."""
+    import comfy.supported_models as sm
+
+    config = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+                  hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=3, depth_single_blocks=2, axes_dim=[8, 12, 12],
+                  theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True, txt_ids_dims=[])
+    pos, neg = _conds(8, 64, 1, pooled_output=(1, 32))
+    return TinyDiT("flux", lambda: _patcher_from_config(sm.Flux, config, seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
+
+
+def tiny_chroma() -> TinyDiT:
+    """Chroma (Flux blocks, modulation from a distilled approximator), through ``supported_models``."""
+    import comfy.supported_models as sm
+
+    config = dict(image_model="chroma", in_channels=64, out_channels=64, context_in_dim=64, hidden_size=64,
+                  mlp_ratio=4.0, num_heads=2, depth=3, depth_single_blocks=2, axes_dim=[8, 12, 12], theta=10000,
+                  patch_size=2, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=64, n_layers=2, txt_ids_dims=[],
+                  vec_in_dim=None)
+    pos, neg = _conds(8, 64, 1, pooled_output=None)
+    return TinyDiT("chroma", lambda: _patcher_from_config(sm.Chroma, config, seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
+
+
+def tiny_hunyuan_video() -> TinyDiT:
+    """HunyuanVideo 1.0 t2v through the loader (width 128 = one head of 128), 3 double + 2 single blocks."""
+    import comfy.ldm.hunyuan_video.model as hv
+
+    kwargs = dict(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=64, hidden_size=128,
+                  mlp_ratio=4.0, num_heads=1, depth=3, depth_single_blocks=2, axes_dim=[16, 56, 56], theta=256,
+                  patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+                  use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False)
+    pos, neg = _conds(8, 64, 1, pooled_output=(1, 768))
+    return TinyDiT("hunyuan_video", lambda: _loaded(hv.HunyuanVideo, 0, **kwargs), pos, neg,
+                   {"samples": torch.zeros(1, 16, 1, 8, 8)})
+
+
+def tiny_sd3() -> TinyDiT:
+    """SD3 (MMDiT) through the loader, depth 3 (width 192): its forward never runs ComfyUI's DIFFUSION_MODEL
+    wrappers."""
+    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as MMDiT
+
+    kwargs = dict(input_size=None, patch_size=2, in_channels=16, out_channels=16, depth=3, adm_in_channels=64,
+                  context_embedder_config={"target": "torch.nn.Linear",
+                                           "params": {"in_features": 64, "out_features": 192}},
+                  num_patches=256, pos_embed_max_size=16, pos_embed_scaling_factor=None, x_block_self_attn_layers=[])
+    pos, neg = _conds(8, 64, 1, pooled_output=(1, 64))
+    return TinyDiT("sd3", lambda: _loaded(MMDiT, 0, **kwargs), pos, neg, {"samples": torch.zeros(1, 16, 16, 16)})
+
+
+BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
+            "sd3": tiny_sd3}

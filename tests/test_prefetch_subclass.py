@@ -1,0 +1,162 @@
+"""Group prefetch of weights held as wrapper tensor subclasses (ComfyUI 0.8+ holds fp8 checkpoints and
+QuantizeDiT's fp8 layers as comfy-kitchen ``QuantizedTensor``s): their inner tensors (codes, scale) stream,
+as quantized bytes, and a device wrapper takes the parameter's place while its group computes.
+
+``Fp8Wrapper`` here follows the same protocol as ``QuantizedTensor`` (``__tensor_flatten__`` /
+``__tensor_unflatten__``, device fixed at construction) with the least dispatch that computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_map
+
+from comfyui_levers.core.residency import subclass
+from comfyui_levers.core.residency.prefetch import AUTO, PrefetchConfig, apply_group_prefetch
+from comfyui_levers.core.residency.transport import CpuTransport, RecordingTransport
+from prefetch_toys import make_wan, wan_inputs
+
+BIG = 10 ** 9
+
+
+class Fp8Wrapper(torch.Tensor):
+    """fp8 codes and a float32 scale, dequantized by every op (what matters here is what streams)."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=torch.float32, device=qdata.device)
+
+    def __init__(self, qdata, scale):
+        self._qdata, self._scale = qdata, scale
+
+    def __tensor_flatten__(self):
+        return ["_qdata", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Fp8Wrapper(inner["_qdata"], inner["_scale"])
+
+    def dequantize(self):
+        return self._qdata.float() * self._scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda a: a.dequantize() if isinstance(a, cls) else a   # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _quantize_blocks(m) -> int:
+    """Every block linear's weight becomes an Fp8Wrapper parameter (as ComfyUI's mixed-precision layers hold
+    them). Returns the block bytes in the wrappers (codes + scales)."""
+    total = 0
+    for block in m.blocks:
+        for mod in block.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight.detach().float()
+                scale = (w.abs().amax() / 448.0).reshape(())
+                q = Fp8Wrapper((w / scale).to(torch.float8_e4m3fn), scale)
+                q._is_param = True          # a parameter without the detach nn.Parameter() would run
+                mod._parameters["weight"] = q
+                total += q._qdata.numel() + 4
+    return total
+
+
+def _model():
+    m = make_wan()
+    _quantize_blocks(m)
+    return m
+
+
+def _rec():
+    return RecordingTransport(CpuTransport())
+
+
+def test_leaves_and_rebuild_follow_the_flatten_protocol():
+    q = Fp8Wrapper(torch.randn(3, 4).to(torch.float8_e4m3fn), torch.tensor(0.5))
+    q._is_param = True
+    names = [p for p, _ in subclass.leaves(q)]
+    assert names == [("_qdata",), ("_scale",)] and subclass.nbytes(q) == 12 + 4
+    codes = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
+    r = subclass.rebuild(q, {("_qdata",): codes})
+    assert type(r) is Fp8Wrapper and r._qdata is codes and r._scale is q._scale
+    assert isinstance(r, torch.nn.Parameter), "a parameter must stay a parameter"
+    assert subclass.leaves(torch.randn(2)) is None and subclass.leaf(q, ("_scale",)) is q._scale
+
+
+def test_wrapped_weights_stream_as_their_quantized_bytes_bit_identical():
+    m = _model()
+    x = wan_inputs()
+    originals = {n: p for n, p in m.named_parameters()}
+    with torch.no_grad():
+        ref = m(*x)
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0)
+    try:
+        assert not h.store.kept, h.store.kept
+        assert len(h.store.wrapped) == 6 * 6
+        streamed = h.stats()["streamed_bytes_per_forward"]
+        plain_bytes = sum(t.numel() * t.element_size() for n, t in originals.items()
+                          if n.startswith("blocks.") and type(t) is not Fp8Wrapper)
+        assert streamed < plain_bytes + sum(t.numel() * 4 for t in originals.values() if type(t) is Fp8Wrapper), \
+            "fp8 codes stream, not their float32 meaning"
+        seen = []
+
+        def spy(mod, args):
+            w = mod.weight
+            seen.append((type(w), w is originals[f"blocks.0.ffn.0.weight"], w._qdata.data_ptr()))
+        hook = m.blocks[0].ffn[0].register_forward_pre_hook(spy)
+        with torch.no_grad():
+            assert torch.equal(m(*x), ref)
+            for _ in range(2):
+                assert torch.equal(m(*x), ref)
+                assert h.last.h2d_bytes == streamed and h.last.d2h_bytes == 0 and h.last.misses == 0
+        hook.remove()
+        slots = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in h.slots]
+        for kind, is_original, ptr in seen:
+            # while its group computes, the layer holds a wrapper around the slot's copy, not the host one
+            assert kind is Fp8Wrapper and not is_original and any(lo <= ptr < hi for lo, hi in slots)
+        # between uses the module holds its own wrapper, whose codes live in the host arena
+        w = m.blocks[0].ffn[0].weight
+        assert w is originals["blocks.0.ffn.0.weight"]
+        arena = h.store.arenas[torch.float8_e4m3fn]
+        assert arena.data_ptr() <= w._qdata.data_ptr() < arena.data_ptr() + arena.numel()
+    finally:
+        h.remove()
+    assert all(p is originals[n] for n, p in m.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(m(*x), ref)
+
+
+@pytest.mark.parametrize("resident_groups, partial", [(2, False), (AUTO, True)])
+def test_wrapped_weights_resident_or_split_bit_identical(resident_groups, partial):
+    """Resident groups hold device wrappers for good; a split block may keep some of a wrapper's inner
+    tensors resident and stream the rest."""
+    m = _model()
+    x = wan_inputs()
+    originals = {n: p for n, p in m.named_parameters()}
+    with torch.no_grad():
+        ref = m(*x)
+    probe = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, BIG), _rec(), bandwidth=0)
+    blocks = probe.store.block_bytes()
+    budget = probe.remainder_bytes + sum(blocks) // 2 + 2 * max(blocks)
+    probe.remove()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, resident_groups, budget, partial_blocks=partial), _rec(),
+                             bandwidth=0)
+    try:
+        s = h.stats()
+        assert s["resident_bytes"] > 0 and s["streamed_bytes_per_forward"] > 0
+        if partial:
+            assert s["split_blocks"] > 0, s
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(*x), ref)
+        assert h.last.h2d_bytes == s["streamed_bytes_per_forward"]
+        if not partial:
+            # a resident group's layer holds a device wrapper around the resident buffer's copy, for good
+            resident, buf = m.blocks[0].q.weight, h._resident_bufs[torch.float8_e4m3fn]
+            assert type(resident) is Fp8Wrapper and resident is not originals["blocks.0.q.weight"]
+            assert buf.data_ptr() <= resident._qdata.data_ptr() < buf.data_ptr() + buf.numel()
+    finally:
+        h.remove()
+    assert all(p is originals[n] for n, p in m.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(m(*x), ref)
