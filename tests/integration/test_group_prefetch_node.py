@@ -61,11 +61,11 @@ def test_comfy_accounting_sees_only_the_resident_part(comfy_env, tiny_wan):
     from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
 
     model = tiny_wan.load_model()
-    clone, _, state = _prefetch(comfy_env, model, resident_groups=2)
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=1)    # 3 streamed blocks cycle through 2 slots
     tiny_wan.sample(clone)
     dm = clone.model.diffusion_model
     blocks = find_blocks(dm).blocks
-    streamed = sum(module_bytes(b) for _, b in blocks[2:])
+    streamed = sum(module_bytes(b) for _, b in blocks[1:])
     assert state.last_stats["streamed_bytes_per_forward"] >= streamed
     # ComfyUI loaded everything but the streamed blocks (on CPU, "loaded" = placed on the load device)
     assert clone.loaded_size() <= module_bytes(dm) - streamed + 1024
