@@ -160,3 +160,41 @@ def test_wrapped_weights_resident_or_split_bit_identical(resident_groups, partia
     assert all(p is originals[n] for n, p in m.named_parameters())
     with torch.no_grad():
         assert torch.equal(m(*x), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_wrapped_weights_stream_bit_identical_with_device_wrappers():
+    """On a GPU the device wrapper must claim the GPU (a wrapper's device is fixed when built) and compute there."""
+    from comfyui_levers.core.residency.transport import CudaTransport
+
+    m = _model()
+    x = [t.cuda() for t in wan_inputs()]
+    ref_model = _model()
+    for mod in ref_model.modules():
+        for name, p in list(mod._parameters.items()):
+            if type(p) is Fp8Wrapper:
+                q = Fp8Wrapper(p._qdata.cuda(), p._scale.cuda())
+                q._is_param = True
+                mod._parameters[name] = q
+            elif p is not None:
+                mod._parameters[name] = torch.nn.Parameter(p.data.cuda(), requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = b.cuda()
+    with torch.no_grad():
+        ref = ref_model(*x)
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 1, BIG, partial_blocks=False), tr)
+    devices = []
+    hook = m.blocks[3].ffn[0].register_forward_pre_hook(lambda mod, a: devices.append(mod.weight.device.type))
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(*x), ref)
+        assert h.last.h2d_bytes == h.stats()["streamed_bytes_per_forward"] > 0 and h.last.d2h_bytes == 0
+        assert devices and set(devices) == {"cuda"}
+    finally:
+        hook.remove()
+        h.remove()
+    assert all(p.device.type == "cpu" for p in m.parameters())
