@@ -335,6 +335,9 @@ def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
         raise QualityCheckSkipped(f"{dims}-D latents (audio/1-D models) are not driven by the check")
     unet_config = getattr(model.model_config, "unet_config", {}) or {}
     width = next((unet_config[k] for k in _CONTEXT_KEYS if isinstance(unet_config.get(k), int)), None)
+    captions = unet_config.get("caption_channels")
+    if width is None and isinstance(captions, (list, tuple)) and captions:
+        width = captions[0]                                # HiDream: T5 width first, then Llama's
     if width is None:
         width = _context_width_from_layers(model.diffusion_model)
     if width is None:
@@ -386,6 +389,28 @@ def _context_width_from_layers(dm) -> int | None:
     return None
 
 
+def _conds_from_model(patcher, inputs, seed: int = 0):
+    """The same inputs with the extra conditions built by the model's own ``extra_conds``, as ComfyUI's sampler
+    builds them (attention masks, token counts, frame rates, pooled vectors...): for architectures whose forward
+    needs more than the text context. The text's attention mask is all ones."""
+    x, sigma, context, _ = inputs
+    model = patcher.model
+    unet_config = getattr(model.model_config, "unet_config", {}) or {}
+    g = torch.Generator().manual_seed(seed + 1)
+    kwargs = dict(cross_attn=context, attention_mask=torch.ones(1, context.shape[1], dtype=torch.long), noise=x,
+                  device=torch.device("cpu"), latent_image=x)
+    pooled = next((unet_config[k] for k in ("vec_in_dim", "adm_in_channels", "text_emb_dim", "pooled_projection_dim")
+                   if isinstance(unet_config.get(k), int)), None)
+    if pooled:
+        kwargs["pooled_output"] = torch.randn(1, pooled, generator=g)
+    captions, llama = unet_config.get("caption_channels"), unet_config.get("llama_layers")
+    if isinstance(captions, (list, tuple)) and len(captions) > 1 and llama:
+        kwargs["conditioning_llama3"] = torch.randn(1, max(llama) + 1, context.shape[1], captions[1], generator=g)
+    conds = model.extra_conds(**kwargs)
+    extra = {k: v.cond for k, v in conds.items() if k != "c_crossattn"}
+    return x, sigma, context, extra
+
+
 def _predict(patcher, inputs) -> torch.Tensor:
     """The network's contribution ``x - denoised`` for one forward on the patcher's load device."""
     import comfy.model_management as mm
@@ -395,7 +420,8 @@ def _predict(patcher, inputs) -> torch.Tensor:
     dev = patcher.load_device
     with torch.inference_mode():
         denoised = patcher.model.apply_model(x.to(dev), sigma.to(dev), c_crossattn=context.to(dev),
-                                             **{k: v.to(dev) for k, v in extra.items()})
+                                             **{k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                                                for k, v in extra.items()})
     # x is the same in both runs; subtracting it leaves what the weights produced (sigma * prediction)
     return (x.to(dev) - denoised.float()).cpu()
 
@@ -406,7 +432,12 @@ def quality_check(original, quantized, fmt: str, seed: int = 0) -> tuple[float |
 
     try:
         inputs = _synthetic_inputs(original, seed)
-        ref = _predict(original, inputs)
+        try:
+            ref = _predict(original, inputs)
+        except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+            # the forward needs conditions beyond the text context: the model's own extra_conds build them
+            inputs = _conds_from_model(original, inputs, seed)
+            ref = _predict(original, inputs)
         out = _predict(quantized, inputs)
     except QualityCheckSkipped as exc:
         return None, f"quality check skipped: {exc}"

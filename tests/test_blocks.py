@@ -33,6 +33,7 @@ def _model(**children):
     ({"transformer_blocks": 3}, "ltxv_qwen"),                         # LTXV, Qwen-Image
     ({"joint_blocks": 3}, "sd3"),
     ({"layers": 5}, "lumina"),
+    ({"context_refiner": 2, "noise_refiner": 2, "layers": 3}, "lumina"),      # Lumina 2, Z-Image
     ({"double_stream_blocks": 2, "single_stream_blocks": 2}, "hidream"),
 ])
 def test_known_layouts_in_execution_order(attrs, arch):

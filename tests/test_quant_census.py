@@ -134,6 +134,44 @@ def sdxl_keys(prefix="model.diffusion_model.") -> dict:
     return {prefix + key: v for key, v in k.items()}
 
 
+def hidream_keys(double=2, single=2, d=64, experts=2) -> dict:
+    k = {"t_embedder.timestep_embedder.linear_1.weight": (d, 256), "x_embedder.proj.weight": (d, 64),
+         "p_embedder.pooled_embedder.linear_1.weight": (d, 32), "caption_projection.0.linear.weight": (d, 64),
+         "final_layer.linear.weight": (64, d), "final_layer.adaLN_modulation.1.weight": (2 * d, d)}
+    for kind, n, mod in (("double", double, 12), ("single", single, 6)):
+        for i in range(n):
+            b = f"{kind}_stream_blocks.{i}.block."
+            k[b + "adaLN_modulation.1.weight"] = (mod * d, d)
+            for proj in ("to_q", "to_k", "to_v", "to_out") + (("to_q_t", "to_k_t", "to_v_t", "to_out_t")
+                                                             if kind == "double" else ()):
+                k[b + f"attn1.{proj}.weight"], k[b + f"attn1.{proj}.bias"] = (d, d), (d,)
+            k[b + "attn1.q_rms_norm.weight"] = (d,)
+            k[b + "ff_i.gate.weight"] = (experts, d)
+            for e in [f"experts.{j}" for j in range(experts)] + ["shared_experts"]:
+                k[b + f"ff_i.{e}.w1.weight"], k[b + f"ff_i.{e}.w2.weight"] = (4 * d, d), (d, 4 * d)
+                k[b + f"ff_i.{e}.w3.weight"] = (4 * d, d)
+            if kind == "double":
+                k[b + "ff_t.w1.weight"], k[b + "ff_t.w2.weight"], k[b + "ff_t.w3.weight"] = (4 * d, d), (d, 4 * d), \
+                    (4 * d, d)
+    return k
+
+
+def lumina_keys(layers=3, refiners=2, d=128) -> dict:
+    k = {"x_embedder.weight": (d, 64), "t_embedder.mlp.0.weight": (d, 256), "cap_embedder.0.weight": (64,),
+         "cap_embedder.1.weight": (d, 64), "final_layer.linear.weight": (64, d),
+         "final_layer.adaLN_modulation.1.weight": (d, d)}
+    for kind, n in (("context_refiner", refiners), ("noise_refiner", refiners), ("layers", layers)):
+        for i in range(n):
+            b = f"{kind}.{i}."
+            k[b + "attention.qkv.weight"], k[b + "attention.out.weight"] = (3 * d, d), (d, d)
+            k[b + "feed_forward.w1.weight"], k[b + "feed_forward.w2.weight"] = (4 * d, d), (d, 4 * d)
+            k[b + "feed_forward.w3.weight"] = (4 * d, d)
+            k[b + "attention_norm1.weight"] = (d,)
+            if kind != "context_refiner":
+                k[b + "adaLN_modulation.1.weight"] = (4 * d, d)
+    return k
+
+
 # ---------------------------------------------------------------------------------------------- tests
 import pytest  # noqa: E402
 
@@ -142,6 +180,7 @@ from comfyui_levers.core.quant import QuantConfig, census, detect_arch  # noqa: 
 ARCH_CASES = {
     "flux": flux_keys, "chroma": chroma_keys, "hunyuan_video": hunyuan_video_keys, "wan": wan_keys,
     "qwen_image": qwen_image_keys, "ltxv": ltxv_keys, "sd3": sd3_keys, "sdxl_unet": sdxl_keys,
+    "hidream": hidream_keys, "lumina": lumina_keys,
 }
 
 
@@ -227,6 +266,30 @@ def test_keep_first_last_follow_execution_order_across_groups():
     assert blocks_quantized == {"double_blocks.2", "single_blocks.0"}
     reasons = {e.reason for e in c.kept}
     assert "keep_first_blocks=2" in reasons and "keep_last_blocks=3" in reasons
+
+
+def test_hidream_blocks_are_double_then_single_and_the_router_stays():
+    """HiDream's double and single stream blocks are numbered separately: the generic rule gave double.i and
+    single.i one block number (3 blocks for 4), so keep_first_blocks=1 kept two."""
+    c = census(hidream_keys(), config=QuantConfig("fp8", keep_first_blocks=1))
+    assert c.arch == "hidream" and c.n_blocks == 4
+    assert not c.should_quantize("double_stream_blocks.0.block.attn1.to_q.weight")
+    assert c.should_quantize("double_stream_blocks.1.block.attn1.to_q_t.weight")
+    assert c.should_quantize("single_stream_blocks.0.block.ff_i.experts.1.w2.weight")
+    assert c.should_quantize("single_stream_blocks.0.block.ff_i.shared_experts.w3.weight")
+    kept = {e.key: e.reason for e in c.kept}
+    assert "router" in kept["single_stream_blocks.1.block.ff_i.gate.weight"]
+    assert "modulation" in kept["double_stream_blocks.1.block.adaLN_modulation.1.weight"]
+
+
+def test_lumina_refiners_are_blocks_before_the_layers():
+    c = census(lumina_keys(), config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert c.arch == "lumina" and c.n_blocks == 2 + 2 + 3
+    assert not c.should_quantize("context_refiner.0.attention.qkv.weight")       # first block
+    assert c.should_quantize("context_refiner.1.feed_forward.w1.weight")
+    assert c.should_quantize("noise_refiner.0.attention.out.weight")
+    assert not c.should_quantize("layers.2.feed_forward.w2.weight")              # last block
+    assert not c.should_quantize("layers.1.adaLN_modulation.1.weight")
 
 
 def test_extra_skip_substring_and_glob():

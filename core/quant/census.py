@@ -96,6 +96,20 @@ ARCHS: tuple[ArchRules, ...] = (
         skip=(_MOD,),
     ),
     ArchRules(
+        name="hidream",
+        detect=(r"^double_stream_blocks\.\d+\.block\.attn1\.to_q\.weight$", r"^single_stream_blocks\.\d+\."),
+        blocks=(r"^double_stream_blocks\.(\d+)\.", r"^single_stream_blocks\.(\d+)\."),
+        quantize=(r"\.attn1\.(to_q|to_k|to_v|to_out)(_t)?$", r"\.ff_(i|t)\.((shared_experts|experts\.\d+)\.)?w[123]$"),
+        skip=(_MOD, (r"\.ff_i\.gate$", "MoE router (its top-k picks the experts: a rounding flips the choice)")),
+    ),
+    ArchRules(
+        name="lumina",       # Lumina 2, Z-Image: refiners, then the main layers
+        detect=(r"^layers\.\d+\.attention\.qkv\.weight$", r"^(context_refiner|noise_refiner|cap_embedder)\."),
+        blocks=(r"^context_refiner\.(\d+)\.", r"^noise_refiner\.(\d+)\.", r"^layers\.(\d+)\."),
+        quantize=(r"\.attention\.(qkv|out)$", r"\.feed_forward\.w[123]$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
         name="sdxl_unet",
         detect=(r"^input_blocks\.\d+\.\d+\.transformer_blocks\.\d+\.attn1\.to_q\.weight$", r"^(label_emb|time_embed)\."),
         blocks=(r"^input_blocks\.(\d+)\.", r"^middle_block\.()", r"^output_blocks\.(\d+)\."),

@@ -23,6 +23,7 @@ _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sd3", ("joint_blocks",)),
     ("ltxv_qwen", ("transformer_blocks",)),                  # LTXV, Qwen-Image, diffusers DiTs
     ("wan", ("blocks",)),
+    ("lumina", ("context_refiner", "noise_refiner", "layers")),   # Lumina 2, Z-Image (refiners run first)
     ("lumina", ("layers",)),
 )
 

@@ -22,7 +22,10 @@ def _result(out):
 
 @pytest.fixture(params=sorted(BUILDERS))
 def tiny(request, comfy_env):
-    return BUILDERS[request.param]()
+    built = BUILDERS[request.param]()
+    if built is None:
+        pytest.skip(f"this ComfyUI ({comfy_env.version}) has no {request.param} model class")
+    return built
 
 
 def _tight_budget_gb(model, blocks_per_group: int) -> float:
@@ -55,7 +58,8 @@ def _assert_streamed_every_byte(state, architecture):
     assert stats["last_forward"]["d2h_bytes"] == 0 and stats["last_forward"]["misses"] == 0
 
 
-ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": "flux", "sd3": "sd3"}
+ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": "flux", "sd3": "sd3",
+        "ltxv": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])

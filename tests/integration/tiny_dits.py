@@ -130,5 +130,83 @@ def tiny_sd3() -> TinyDiT:
     return TinyDiT("sd3", lambda: _loaded(MMDiT, 0, **kwargs), pos, neg, {"samples": torch.zeros(1, 16, 16, 16)})
 
 
+def tiny_ltxv() -> TinyDiT:
+    """LTX-Video (0.9 layout), 4 blocks of width 128 (32 heads of 4), through the loader; T5 context with its
+    attention mask, which LTXV's forward requires."""
+    import comfy.sd
+    import comfy.supported_models as sm
+
+    mc = sm.LTXV({"image_model": "ltxv", "num_layers": 4, "attention_head_dim": 4, "cross_attention_dim": 128})
+    mc.set_inference_dtype(torch.float32, None)
+    shapes = mc.get_model({}, device="meta").diffusion_model.state_dict()
+
+    def load():
+        sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, 0)
+        return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
+    mask = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _conds(8, 4096, 1, attention_mask=mask)
+    return TinyDiT("ltxv", load, pos, neg, {"samples": torch.zeros(1, 128, 2, 4, 4)})
+
+
+def tiny_qwen_image() -> TinyDiT:
+    """Qwen-Image, 4 blocks of width 64 (the loader's detection fixes width 3072)."""
+    import comfy.supported_models as sm
+
+    config = {"image_model": "qwen_image", "in_channels": 64, "out_channels": 16, "num_layers": 4,
+              "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
+              "axes_dims_rope": (8, 12, 12)}
+    pos, neg = _conds(8, 64, 1)
+    tiny = TinyDiT("qwen_image", lambda: _patcher_from_config(sm.QwenImage, config, seed=0), pos, neg, {})
+    dims = getattr(tiny.load().model.latent_format, "latent_dimensions", 2)
+    tiny.latent = {"samples": torch.zeros((1, 16, 1, 8, 8) if dims == 3 else (1, 16, 8, 8))}
+    return tiny
+
+
+def _lumina_config(z_image: bool) -> dict:
+    config = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 128, "cap_feat_dim": 64,
+              "n_layers": 3, "n_refiner_layers": 2, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 32,
+              "ffn_dim_multiplier": 4.0, "qk_norm": True, "axes_dims": [16, 24, 24], "axes_lens": [300, 512, 512],
+              "rope_theta": 10000.0}
+    if z_image:   # Z-Image's modulation reads a 256-wide time embedding: width at least 256
+        config.update({"dim": 256, "axes_dims": [32, 48, 48], "ffn_dim_multiplier": 0.5, "z_image_modulation": True,
+                       "time_scale": 1000.0, "pad_tokens_multiple": 32, "rope_theta": 256.0, "n_refiner_layers": 1})
+    return config
+
+
+def tiny_lumina2() -> TinyDiT:
+    """Lumina 2 (NextDiT): 2 context refiners, 2 noise refiners, then 3 layers, width 128."""
+    import comfy.supported_models as sm
+
+    pos, neg = _conds(8, 64, 1)
+    return TinyDiT("lumina2", lambda: _patcher_from_config(sm.Lumina2, _lumina_config(False), seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
+
+
+def tiny_zimage() -> TinyDiT:
+    """Z-Image (NextDiT with its own modulation and token padding), width 256."""
+    import comfy.supported_models as sm
+
+    if not hasattr(sm, "ZImage"):
+        return None
+    pos, neg = _conds(8, 64, 1)
+    return TinyDiT("zimage", lambda: _patcher_from_config(sm.ZImage, _lumina_config(True), seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
+
+
+def tiny_hidream() -> TinyDiT:
+    """HiDream I1: 2 double + 2 single stream blocks with mixture-of-experts feed-forwards, width 64; T5 and
+    Llama conditioning and a pooled vector."""
+    import comfy.supported_models as sm
+
+    config = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
+              "num_single_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": [64, 64],
+              "text_emb_dim": 32, "num_routed_experts": 4, "num_activated_experts": 2, "axes_dims_rope": (16, 8, 8),
+              "max_resolution": (128, 128), "llama_layers": list(range(4))}
+    pos, neg = (_cond((1, 8, 64), seed, pooled_output=(1, 32), conditioning_llama3=(1, 4, 8, 64)) for seed in (1, 2))
+    return TinyDiT("hidream", lambda: _patcher_from_config(sm.HiDream, config, seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
+
+
 BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
-            "sd3": tiny_sd3}
+            "sd3": tiny_sd3, "ltxv": tiny_ltxv, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
+            "zimage": tiny_zimage, "hidream": tiny_hidream}
