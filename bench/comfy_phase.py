@@ -899,6 +899,7 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
             ref_b, out["comfy_b_s"], out["comfy_b_peak_bytes"] = sample(model, shape_b)
             out["bit_identical_b"] = same(got_b, ref_b)
             out["status"] = "ok"
+            out["fp8"] = _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape_a, sample, same)
         except OutOfTime as exc:
             out.update(status="partial", reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
@@ -907,6 +908,48 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
             _log(f"GroupPrefetch in ComfyUI: {out['status']}: {_short(exc, 300)}")
         finally:
             _unload_all(env, dev)
+    return out
+
+
+def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same) -> dict[str, Any]:
+    """The same DiT after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where comfy-kitchen is installed, as
+    fp8 checkpoints load in ComfyUI 0.8+): ComfyUI's lowvram against GroupPrefetch streaming the fp8 bytes."""
+    out: dict[str, Any] = {"status": "running"}
+    try:
+        clock.need(15, "GroupPrefetch in ComfyUI, fp8: quantize")
+        qmodel, qreport = _levers_node("LeversQuantizeDiT").execute(model, format="fp8_e4m3fn",
+                                                                    quality_check=False).args[:2]
+        out["layers"] = next((ln.split("layers:", 1)[1].strip() for ln in qreport.splitlines() if "layers:" in ln),
+                             "Levers QuantLinear")
+        _unload_all(env, dev)
+        sample(qmodel, shape)
+        ref, out["comfy_s"], out["comfy_peak_bytes"] = sample(qmodel, shape)
+        _unload_all(env, dev)
+        clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch in ComfyUI, fp8: GroupPrefetch")
+        if node_budget_gb:          # the CPU's explicit budget: 75 % of the fp8 DiT, so that it streams
+            from comfyui_levers.core.residency.blocks import module_bytes
+            node_budget_gb = round(0.75 * module_bytes(qmodel.model.diffusion_model) / GIB, 6)
+        clone, _ = _levers_node("LeversGroupPrefetch").execute(qmodel, vram_budget_gb=node_budget_gb).args
+        from comfyui_levers.bridge.prefetch import prefetch_state
+        state = prefetch_state(clone)
+        sample(clone, shape)
+        got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
+        out["bit_identical"] = same(got, ref)
+        out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
+        out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
+        out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
+        out["levers_report"] = state.last_report
+        out["status"] = "ok"
+        _log(f"GroupPrefetch in ComfyUI, fp8 ({out['layers']}): {out['levers_s']:.2f}s vs ComfyUI "
+             f"{out['comfy_s']:.2f}s (ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
+    except OutOfTime as exc:
+        out.update(status="partial", reason=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
+        out.update(status="oom" if _is_oom(exc) else "error", reason=_short(exc),
+                   traceback=traceback.format_exc()[-8000:])
+        _log(f"GroupPrefetch in ComfyUI, fp8: {out['status']}: {_short(exc, 300)}")
+    finally:
+        _unload_all(env, dev)
     return out
 
 

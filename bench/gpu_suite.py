@@ -2499,6 +2499,16 @@ def build_summary(results: dict) -> dict[str, Any]:
         definition="seconds per sampling run (DiT only) through the GroupPrefetch node (auto budget) / ComfyUI's "
                    "lowvram, same emulated card (a quarter of the DiT + 2.5 GiB), inside ComfyUI; then the same clone "
                    "at a longer video, bit-compared with ComfyUI there")
+    gp8 = gp.get("fp8") or {}
+    gp8_ratio = gp8.get("ratio_time")
+    kept = (gp8.get("levers_stats") or {}).get("kept_unstreamed")
+    summary["prefetch_fp8_in_comfy_vs_lowvram"] = _metric(
+        rnd(gp8_ratio, 3) if gp8_ratio is not None else None,
+        _section_reason(results, "comfy_phase") or gp8.get("reason") or gp.get("reason") or "not measured",
+        "<= 0.77 (>= 1.3x faster)", None if gp8_ratio is None else gp8_ratio <= 1 / 1.3,
+        bit_identical=gp8.get("bit_identical"), layers=gp8.get("layers"), kept_unstreamed=kept,
+        definition="as prefetch_in_comfy_vs_lowvram, after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where "
+                   "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0")
     dyn = results.get("sections", {}).get("dynamic", {})
     dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
     dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.residency import subclass
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
@@ -76,9 +77,9 @@ def _staging(widest_bytes: int, cfg: PrefetchConfig) -> int:
 
 
 def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig,
-                     n_dtypes: int = 1) -> int:
+                     n_dtypes: int = 1, block_tensors: list[int] | None = None) -> int:
     """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots (blocks in
-    ``n_dtypes`` dtypes)."""
+    ``n_dtypes`` dtypes, of ``block_tensors`` tensors each, as the engine lays them out)."""
     n = len(block_bytes)
     g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
     d = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
@@ -87,13 +88,30 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
         # streamed groups that would each keep one of the d + 1 slots move nothing, on more memory than the
         # blocks take loaded: ComfyUI loads them instead
         return n if slots_hold_all(n - k, g, d) else k
+    counts = block_tensors or [0] * n
     for k in range(n, -1, -1):
-        rest = block_bytes[k:]
+        rest, rest_counts = block_bytes[k:], counts[k:]
         widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
-        if other_bytes + sum(block_bytes[:k]) + (d + 1) * slot_bound(widest, n_dtypes) + _staging(widest, cfg) \
-                <= budget:
+        tensors = max((sum(rest_counts[i:i + g]) for i in range(0, len(rest), g)), default=0)
+        if other_bytes + sum(block_bytes[:k]) + (d + 1) * slot_bound(widest, n_dtypes, tensors) \
+                + _staging(widest, cfg) <= budget:
             return k
     return 0
+
+
+def _own_storage(t: torch.Tensor, arenas: list[tuple[int, int]]) -> None:
+    """Give ``t`` (or the tensors inside a wrapper subclass) its own copy where it points into one of ``arenas``
+    (address ranges)."""
+    for x in _stream_tensors(t):
+        if any(lo <= x.data_ptr() < hi for lo, hi in arenas):
+            with torch.no_grad(), torch.inference_mode(x.is_inference()):
+                x.data = x.data.clone()
+
+
+def _stream_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a weight streams as: itself, or a wrapper subclass's inner tensors (fp8 codes and scale)."""
+    inner = None if subclass.is_plain(t) else subclass.leaves(t)
+    return [x for _, x in inner] if inner else [t]
 
 
 def slots_hold_all(streamed_blocks: int, blocks_per_group: int, depth: int) -> bool:
@@ -119,7 +137,8 @@ def _own_bytes(m: nn.Module) -> int:
 
 
 def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
-                  cfg: PrefetchConfig = PrefetchConfig(), n_dtypes: int = 1) -> SplitLayout | None:
+                  cfg: PrefetchConfig = PrefetchConfig(), n_dtypes: int = 1,
+                  max_tensors: int = 0) -> SplitLayout | None:
     """The smallest head cap whose layout fits: other + tails + (depth + 1) x slot (+ staging) <= budget.
 
     A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
@@ -143,7 +162,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
         cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
-        need = (other_bytes + total_blocks - streamed + (depth + 1) * slot_bound(max(heads), n_dtypes)
+        need = (other_bytes + total_blocks - streamed + (depth + 1) * slot_bound(max(heads), n_dtypes, max_tensors)
                 + _staging(max(heads), cfg))
         if need > budget:
             continue
@@ -176,8 +195,13 @@ class _Session:
         cfg = state.request.config
         if cfg.packed and not packing_supported(patcher.load_device)[0]:
             cfg = replace(cfg, packed=False)     # no staging buffer to budget: weights will stream as stored
-        n_dtypes = len({t.dtype for _, b in self.layout.blocks for t in [*b.parameters(), *b.buffers()]})
-        self.k = _resident_blocks(sizes, other, self.budget, cfg, n_dtypes)
+        # the engine's slots hold the tensors that stream (a quantized weight's codes and scale, not its
+        # logical dtype), each aligned: size them the same way
+        streams = [[x for t in [*b.parameters(), *b.buffers()] for x in _stream_tensors(t)]
+                   for _, b in self.layout.blocks]
+        n_dtypes = len({x.dtype for xs in streams for x in xs})
+        block_tensors = [len(xs) for xs in streams]
+        self.k = _resident_blocks(sizes, other, self.budget, cfg, n_dtypes, block_tensors)
         self.streamed = self.layout.blocks[self.k:]
         self.streamed_bytes = sum(sizes[self.k:])
         self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
@@ -185,7 +209,8 @@ class _Session:
         if (cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
                 and not math.isinf(self.budget) and self.streamed):
             depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
-            split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg, n_dtypes)
+            split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg, n_dtypes,
+                                  max(block_tensors, default=0))
             if split is not None and split.streamed_bytes < self.streamed_bytes:
                 self.split, self.k = split, 0
                 self.streamed = [self.layout.blocks[b] for b in split.streamed]
@@ -335,6 +360,9 @@ class _Session:
         prefix = "diffusion_model."
         tails = self.tails
         patched = set()
+        cached = _STORES.get(self.root)
+        arenas = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size())
+                  for a in (cached[1].arenas.values() if cached is not None else ())]
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
                 if id(param) in tails:
@@ -344,8 +372,12 @@ class _Session:
                     continue
                 patched.add(key)
                 if key not in p.backup:
-                    # ComfyUI's backup may keep this Parameter, which points at our arena view; the store gives it
-                    # its own copy before it stages the patched weight there (HostStore.refresh)
+                    # ComfyUI backs up the weight it patches and puts it back afterwards. Between runs a streamed
+                    # weight still points at the store's arena, where the patched values are about to be staged:
+                    # the backup gets its own storage first. (ComfyUI's fp8 layers even rebuild their
+                    # QuantizedTensor around the same arena memory whenever the model moves, so the store cannot
+                    # know which object ComfyUI will back up.)
+                    _own_storage(param, arenas)
                     p.patch_weight_to_device(key, device_to=p.offload_device)
         return patched
 

@@ -162,6 +162,49 @@ def test_wrapped_weights_resident_or_split_bit_identical(resident_groups, partia
         assert torch.equal(m(*x), ref)
 
 
+def test_a_failed_install_on_a_reused_store_leaves_the_module_its_current_weight():
+    """The ComfyUI bridge reuses a store across runs. When the owner replaced a wrapped weight between runs and the
+    next install failed (over budget), removing it put the first install's wrapper back into the module."""
+    from comfyui_levers.core.errors import BudgetExceeded
+    from comfyui_levers.core.residency.blocks import find_blocks
+    from comfyui_levers.core.residency.prefetch import HostStore
+
+    m = _model()
+    tr = CpuTransport()
+    store = HostStore(find_blocks(m).blocks, tr)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0, store=store)
+    with torch.no_grad():
+        m(*wan_inputs())
+    h.remove()
+    old = m.blocks[0].q.weight
+    new = Fp8Wrapper(old._qdata.clone(), old._scale.clone())
+    new._is_param = True
+    m.blocks[0].q._parameters["weight"] = new          # a LoRA, a dtype change...
+    with pytest.raises(BudgetExceeded):
+        apply_group_prefetch(m, PrefetchConfig(1, 1, 0, 1000, partial_blocks=False), tr, bandwidth=0, store=store)
+    assert m.blocks[0].q.weight is new
+
+
+def test_split_plans_keep_more_streamed_heads_than_slots():
+    """A split plan whose streamed heads all fit in the slots would move nothing per step (each keeps its slot)."""
+    m = make_wan(mixed=True)
+    x = wan_inputs()
+    probe = apply_group_prefetch(m, PrefetchConfig(AUTO, AUTO, AUTO, BIG), _rec(), bandwidth=0)
+    blocks, rem = probe.store.block_bytes(), probe.remainder_bytes
+    probe.remove()
+    budget = rem + int(sum(blocks) * 0.6) + 3 * max(blocks)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 2, 0, budget, partial_blocks=True), _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                m(*x)
+        streaming = sum(1 for k in (h.plan.cuts or ()) if k) if h.plan.split else len(h.stream_order)
+        assert streaming > len(h.slots), (h.plan, len(h.slots))
+        assert h.last.h2d_bytes == h.stats()["streamed_bytes_per_forward"] > 0
+    finally:
+        h.remove()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_wrapped_weights_stream_bit_identical_with_device_wrappers():

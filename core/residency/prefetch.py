@@ -679,10 +679,11 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def slot_bound(widest_bytes: int, n_dtypes: int) -> int:
-    """At most the bytes of a device slot for a group of ``widest_bytes`` in ``n_dtypes`` dtypes (each
-    dtype's region starts aligned): what callers that plan around the engine budget for one slot."""
-    return widest_bytes + SLOT_ALIGN * n_dtypes
+def slot_bound(widest_bytes: int, n_dtypes: int, n_tensors: int = 0) -> int:
+    """At most the bytes of a device slot for a group of ``widest_bytes`` in ``n_dtypes`` dtypes and ``n_tensors``
+    tensors (each dtype's region starts aligned, each tensor in it too): what callers that plan around the engine
+    budget for one slot."""
+    return widest_bytes + SLOT_ALIGN * n_dtypes + ALIGN_BYTES * n_tensors
 
 
 def _layout_bytes(store: HostStore, g: int, d: int, r: int) -> tuple[int, int, int, int]:
@@ -831,8 +832,8 @@ def _split_plan(store: HostStore, d: int, budget_bytes: float,
     total = sum(store.block_bytes())
     for cap in sorted({h for hs in heads for h in hs if h > 0}):
         cuts = tuple(bisect.bisect_right(hs, cap) - 1 for hs in heads)   # heads grow with k
-        if sum(1 for k in cuts if k) <= d:
-            continue   # no deeper than the stream: the slots would just hold everything
+        if sum(1 for k in cuts if k) <= d + 1:
+            continue   # the d + 1 slots would hold every streamed head: nothing would cycle
         streamed = sum(hs[k] for hs, k in zip(heads, cuts))
         if remainder_bytes + total - streamed > budget_bytes:
             continue   # even with free slots the resident tails do not fit
@@ -1074,6 +1075,8 @@ class PrefetchHandle:
 
     # setup ---------------------------------------------------------------------------------
     def _install(self) -> None:
+        for w in self.store.wrapped:
+            w.host = w.outer()     # what remove() puts back, even when planning fails before _build
         self._onload_remainder()
         self.remainder_bytes = self._device_remainder_bytes()
         plan = plan_groups(self.store, self.config, self.budget_bytes, self.remainder_bytes, self.bandwidth)

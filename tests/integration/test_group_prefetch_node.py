@@ -289,6 +289,29 @@ def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)        # a second run, store reused
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "plain"])
+def test_lora_on_and_off_alternating_never_sticks(comfy_env, tiny_wan, fp8):
+    """LoRA and no LoRA on one model, with and without the node, in turn. ComfyUI's fp8 layers rebuild their
+    QuantizedTensor around the store's arena whenever the model moves; ComfyUI then backed up that new wrapper,
+    the patched codes were staged under it, and from the fourth run on every output (ComfyUI's own too) carried
+    the LoRA with the original scale."""
+    model = tiny_wan.load_model()
+    if fp8:
+        model = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
+            _node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn", quality_check=False))
+    ref = tiny_wan.sample(model)["samples"]
+    sd = tiny_wan.load_model().model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("ffn.0.weight"))
+    lora = model.clone()
+    g = torch.Generator().manual_seed(3)
+    lora.add_patches({f"diffusion_model.{key}": (torch.randn(sd[key].shape, generator=g) * 0.05,)}, 1.0)
+    ref_lora = tiny_wan.sample(lora)["samples"]
+    streamed_lora, streamed = _prefetch(comfy_env, lora)[0], _prefetch(comfy_env, model)[0]
+    runs = [("node + LoRA", streamed_lora, ref_lora), ("node", streamed, ref), ("ComfyUI", model, ref)] * 2
+    got = [(name, torch.equal(tiny_wan.sample(m)["samples"], want)) for name, m, want in runs]
+    assert all(ok for _, ok in got), got
+
+
 def test_too_few_groups_to_cycle_through_the_slots_load_with_comfyui(comfy_env, tiny_wan):
     """4 blocks in groups of 2 with one resident: the one streamed group would keep a slot and move nothing."""
     from comfyui_levers.bridge.prefetch import slots_hold_all
@@ -300,6 +323,33 @@ def test_too_few_groups_to_cycle_through_the_slots_load_with_comfyui(comfy_env, 
     clone, _, state = _prefetch(comfy_env, model, blocks_per_group=2, resident_groups=1)
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
     assert state.last_stats is None and "leaves too few groups to stream" in state.last_report, state.last_report
+
+
+def test_a_budget_the_node_accepts_for_fp8_weights_holds_the_engine_slots(comfy_env, tiny_wan):
+    """The node sizes the engine's slots before the engine exists. For fp8 weights (QuantizedTensor: fp8 codes plus
+    a float32 scale, each aligned in the slot, while the wrapper reports its logical dtype) it under-counted them,
+    and at the smallest budget it accepted, sampling raised BudgetExceeded."""
+    from comfyui_levers.bridge.prefetch import _Session
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    quant = _node(comfy_env, "LeversQuantizeDiT")
+    qmodel = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
+        quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn", quality_check=False))
+    kw = dict(blocks_per_group=-1, prefetch_depth=1, resident_groups=-1)
+    clone, _, state = _prefetch(comfy_env, qmodel, **kw, vram_budget_gb=1.0)
+
+    def accepts(budget: int) -> bool:          # the node's own decision: a split layout that streams
+        state.request = type(state.request)(state.request.config, budget)
+        return _Session(state, clone, None).split is not None
+    lo, hi = 0, module_bytes(qmodel.model.diffusion_model)
+    assert accepts(hi - 1)
+    while hi - lo > 1:                         # the smallest budget the node streams at
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not accepts(mid) else (lo, mid)
+    ref = tiny_wan.sample(qmodel)["samples"]
+    clone, _, state = _prefetch(comfy_env, qmodel, **kw, vram_budget_gb=hi / 2 ** 30)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats is not None and state.last_stats["device_bytes_planned"] <= hi, state.last_report
 
 
 def test_invalid_setting_names_the_field(comfy_env, tiny_wan):
