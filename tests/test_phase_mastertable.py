@@ -147,3 +147,34 @@ def test_an_onload_that_fails_part_way_still_orders_compute_after_the_copies_it_
     kinds = [(o.kind, o.tag) for o in tr.ops]
     last_copy = max(i for i, (k, _) in enumerate(kinds) if k == "h2d")
     assert ("record", "onload:dit") in kinds[last_copy:] and ("wait", "onload:dit") in kinds[last_copy:], kinds
+
+
+def test_wrapper_subclass_weights_move_by_object_and_swap_back():
+    """fp8 weights held as a wrapper subclass (ComfyUI's QuantizedTensor) fix their device when built: the load
+    puts a device wrapper around copies of the codes and scale in the weight's slot, the unload puts the
+    module's own wrapper back (no copy), tied twins included."""
+    from test_prefetch_subclass import Fp8Wrapper
+
+    m = _model()
+    w = m[1].weight.detach()
+    scale = (w.abs().amax() / 448.0).reshape(())
+    q = Fp8Wrapper((w / scale).to(torch.float8_e4m3fn), scale)
+    q._is_param = True
+    m[1]._parameters["weight"] = q
+    ids = torch.tensor([[1, 2, 3]])
+    want = m(ids) * m.scale
+    table, tr = _table(m)
+    assert set(table.wrapped) == {"1.weight"}
+    fp8_bytes = q._qdata.nbytes + q._scale.nbytes
+    with swap_module_to(table, DEV, CPU):
+        for _ in range(2):
+            m.to(DEV)
+            on_device = m[1].weight
+            assert type(on_device) is Fp8Wrapper and on_device is not q
+            assert on_device._qdata.data_ptr() != q._qdata.data_ptr()
+            assert torch.equal(m(ids) * m.scale, want)
+            m.to(CPU)
+            assert m[1].weight is q                              # the module's own wrapper, back
+    assert tr.ledger.d2h_bytes == 0
+    assert table.wrapped["1.weight"].dev is None                # no device copy kept alive after the unload
+    assert table.swapped_bytes >= 2 * fp8_bytes

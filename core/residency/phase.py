@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import ConfigError, IncompatibleInput
+from . import subclass
 from .pinned import PinMode, PinnedStore, PinOutcome, StorageGroup, TensorRef, group_by_storage
 from .transport import Transport, note_compute, tensor_nbytes
 
@@ -547,6 +548,37 @@ class _Master:
     dev_version: int | None = None  # that object's _version right after binding
 
 
+@dataclass
+class _WrappedMaster:
+    """A weight held as a wrapper subclass (ComfyUI's fp8 ``QuantizedTensor``): its own device is fixed when it
+    is built, so it moves by object, not by pointer. ``host`` is the module's own wrapper (inner tensors in host
+    memory, pinned in place); a device wrapper around copies of them (``subclass.rebuild``) takes its slot on
+    load, and ``host`` takes it back on offload: zero bytes."""
+
+    host: torch.Tensor
+    leaves: list                    # [(path, host inner tensor)]
+    dev: torch.Tensor | None = None           # the device wrapper we built (None: none outstanding)
+    dev_versions: tuple[int, ...] = ()        # its inner tensors' _version right after the copy
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(x) for _, x in self.leaves)
+
+
+def _wrapped_leaves(t: torch.Tensor) -> list | None:
+    """The inner tensors of a host wrapper subclass PhaseOffload can move by object, else None."""
+    if t.device.type != "cpu":
+        return None
+    inner = subclass.leaves(t)
+    if not inner or any(x.device.type != "cpu" or not x.is_contiguous() or x.numel() == 0 for _, x in inner):
+        return None
+    return inner
+
+
+def _set_slot(owner: torch.nn.Module, attr: str, is_param: bool, value: torch.Tensor) -> None:
+    (owner._parameters if is_param else owner._buffers)[attr] = value
+
+
 def _named_tensor_slots(root: torch.nn.Module, prefix: str = ""):
     """(name, owner, attr, is_param, tensor) for every param/buffer under ``root``, tied ones too."""
     for mod_name, mod in root.named_modules(prefix=prefix, remove_duplicate=False):
@@ -568,7 +600,9 @@ class MasterTable:
       and rebound to the copy;
     - ``offload(module)``: tensors still bound to *our* device copy (same object, same pointer,
       same version: nothing patched them) are rebound to their master: zero bytes. Everything
-      else (patched, replaced, quantized subclasses) is left to the manager's own copy.
+      else (patched, replaced) is left to the manager's own copy.
+
+    Wrapper subclasses (fp8 ``QuantizedTensor``) move by object instead (``_WrappedMaster``).
     """
 
     def __init__(self, root: torch.nn.Module, component: str, transport: Transport,
@@ -578,6 +612,7 @@ class MasterTable:
         self.transport = transport
         self.store = store or PinnedStore(transport)
         self.masters: dict[str, _Master] = {}
+        self.wrapped: dict[str, _WrappedMaster] = {}
         self.prefixes: dict[int, str] = {}
         self.swapped_bytes = 0                  # offloaded by pointer swap, cumulative
         self.left_bytes = 0                     # device bytes left to the manager's own copy, cumulative
@@ -592,7 +627,16 @@ class MasterTable:
         """Adopt host-resident plain tensors as masters (zero copy); pin new ones. Returns count."""
         fresh = 0
         for name, _, _, _, t in _named_tensor_slots(self.root):
-            if t.device.type != "cpu" or is_traceable_wrapper_subclass(t) or not t.is_contiguous():
+            if is_traceable_wrapper_subclass(t):
+                w = self.wrapped.get(name)
+                if w is not None and (w.host is t or w.dev is t):
+                    continue              # still its master, or our device wrapper of it
+                inner = _wrapped_leaves(t)
+                if inner is not None:
+                    self.wrapped[name] = _WrappedMaster(host=t, leaves=inner)
+                    fresh += 1
+                continue
+            if t.device.type != "cpu" or not t.is_contiguous():
                 continue
             m = self.masters.get(name)
             if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape
@@ -604,6 +648,8 @@ class MasterTable:
             fresh += 1
         if fresh:
             uniq = {m.host.data_ptr(): (n, m.host) for n, m in self.masters.items()}
+            for n, w in self.wrapped.items():
+                uniq.update({x.data_ptr(): (f"{n}.{'.'.join(path)}", x) for path, x in w.leaves})
             self.pin_outcome = self.store.pin_component(self.component, group_by_storage(uniq.values()))
         return fresh
 
@@ -621,8 +667,24 @@ class MasterTable:
             # into memory that compute issued earlier may still read
             self.transport.wait_compute(tag)
             done: set[int] = set()
+            built: dict[int, torch.Tensor] = {}        # host wrapper id -> its device wrapper (tied twins)
             try:
-                for name, _, _, _, t in _named_tensor_slots(module, prefix):
+                for name, owner, attr, is_param, t in _named_tensor_slots(module, prefix):
+                    w = self.wrapped.get(name)
+                    if w is not None and (w.host is t or w.dev is t):
+                        if w.dev is t:
+                            continue                                  # already ours on the device
+                        if id(t) not in built:
+                            copies = {path: self.transport.copy_to_device(x, self.transport.empty(tuple(x.shape),
+                                                                                                  x.dtype), tag=tag)
+                                      for path, x in w.leaves}
+                            built[id(t)] = subclass.rebuild(t, copies)
+                            w.dev_versions = tuple(_version(c) for c in copies.values())
+                            moved += w.nbytes
+                        w.dev = built[id(t)]
+                        _set_slot(owner, attr, is_param, w.dev)
+                        done.add(id(t))
+                        continue
                     m = self.masters.get(name)
                     if t.data_ptr() in done:
                         continue                                      # a tied twin, already rebound
@@ -651,8 +713,19 @@ class MasterTable:
         if prefix is None:
             return 0, 0
         swapped, left = 0, 0
+        home: dict[int, _WrappedMaster] = {}      # device wrappers swapped back (tied twins follow)
         with torch.inference_mode(False), torch.no_grad():
-            for name, _, _, _, t in _named_tensor_slots(module, prefix):
+            for name, owner, attr, is_param, t in _named_tensor_slots(module, prefix):
+                w = self.wrapped.get(name)
+                if w is not None and (t is w.host or t is w.dev):
+                    if t is w.host:
+                        continue                                  # already home
+                    if id(t) in home or tuple(_version(x) for _, x in subclass.leaves(t) or []) == w.dev_versions:
+                        _set_slot(owner, attr, is_param, w.host)   # nothing wrote into our copy: swap back
+                        if id(t) not in home:
+                            home[id(t)] = w
+                            swapped += w.nbytes
+                        continue
                 m = self.masters.get(name)
                 if t.data_ptr() == (m.host.data_ptr() if m else -1):
                     continue                                      # already home (tied twin)
@@ -664,6 +737,8 @@ class MasterTable:
                 elif t.device.type != "cpu":
                     left += 1
                     self.left_bytes += tensor_nbytes(t)
+        for w in home.values():
+            w.dev = None                  # its device copies go with it
         self.swapped_bytes += swapped
         return swapped, left
 
@@ -671,6 +746,7 @@ class MasterTable:
         """Forget the masters and unpin what was pinned for them."""
         self.store.release(self.component)
         self.masters.clear()
+        self.wrapped.clear()
 
 
 def _parse_to_device(args, kwargs) -> torch.device | None:

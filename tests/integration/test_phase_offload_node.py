@@ -117,6 +117,37 @@ def test_comfyui_unload_is_a_pointer_swap(comfy_env, tiny_wan):
     assert led["totals"]["d2h_bytes"] == 0 and led["totals"]["h2d_bytes"] > 0
 
 
+def test_fp8_weights_move_by_object_and_offload_is_a_swap(comfy_env, tiny_wan):
+    """QuantizeDiT fp8 (ComfyUI's QuantizedTensor, whose device is fixed when it is built): the load copies the
+    fp8 codes and scales into a device wrapper that takes the weight's slot; the unload puts the module's own
+    wrapper back. Before, these weights were left to ComfyUI's own copy (device->host on every unload)."""
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    quant = next(c for c in comfy_env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+    model = quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn", quality_check=False).args[0]
+    vae = tiny_wan.load_vae()
+    ref = tiny_wan.sample(model)["samples"]
+    comfy_env.mm.unload_all_models()
+    m, _, v, _ = _run_node(comfy_env, _host_offload(model), None, vae)
+    group = _group(m)
+    own = {n: p for n, p in m.model.diffusion_model.named_parameters()}
+    wrapped = {n for n, p in own.items() if type(p) is not torch.nn.Parameter}
+    assert wrapped, "QuantizeDiT's fp8 layers hold QuantizedTensor weights"
+    for _ in range(2):
+        latent = tiny_wan.sample(m)
+        assert torch.equal(latent["samples"], ref)
+        tiny_wan.decode(v, latent)                      # releases the DiT through ComfyUI
+        now = dict(m.model.diffusion_model.named_parameters())
+        assert all(now[n] is own[n] for n in wrapped), "the module's own fp8 wrappers are back"
+    assert len(group.components["diffusion_model"].table.wrapped) >= len(wrapped)
+    unloads = [r for r in group.ledger()["records"] if r["component"] == "diffusion_model" and r["kind"] == "unload"]
+    assert unloads and all(r["d2h"] == 0 for r in unloads)
+    # everything the DiT holds, the fp8 codes included, is copied in on load and swapped back on unload
+    loads = [r for r in group.ledger()["records"] if r["component"] == "diffusion_model" and r["kind"] == "load"]
+    assert [r["h2d"] for r in loads] == [r["swapped"] for r in unloads]
+    assert all(r["swapped"] >= module_bytes(m.model.diffusion_model) for r in unloads), unloads
+
+
 def test_partially_unload_keeps_comfyuis_accounting(comfy_env, tiny_wan):
     model = tiny_wan.load_model()
     ref = tiny_wan.sample(model)["samples"]
