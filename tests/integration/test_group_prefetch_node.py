@@ -270,17 +270,27 @@ def test_after_quantize_dit(comfy_env, tiny_wan):
     assert stats["streamed_bytes_per_forward"] < 0.7 * plain_state.last_stats["streamed_bytes_per_forward"]
 
 
+def _fp8(env, model):
+    """QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where comfy-kitchen is installed)."""
+    out = _node(env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn", quality_check=False)
+    return (out.args if hasattr(out, "args") else out.result)[0]
+
+
+def _with_lora(tiny_wan, model):
+    """A clone of ``model`` with a LoRA-like patch on a weight of the last (streamed) block."""
+    sd = tiny_wan.load_model().model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("ffn.0.weight"))
+    lora = model.clone()
+    g = torch.Generator().manual_seed(3)
+    lora.add_patches({f"diffusion_model.{key}": (torch.randn(sd[key].shape, generator=g) * 0.05,)}, 1.0)
+    return lora
+
+
 def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
     host copies follow (and streamed, the output is the patched model's)."""
-    quant = _node(comfy_env, "LeversQuantizeDiT")
-    qmodel = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
-        quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn"))
-    sd = tiny_wan.load_model().model.diffusion_model.state_dict()
-    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("ffn.0.weight"))
-    lora = qmodel.clone()
-    g = torch.Generator().manual_seed(3)
-    lora.add_patches({f"diffusion_model.{key}": (torch.randn(sd[key].shape, generator=g) * 0.05,)}, 1.0)
+    qmodel = _fp8(comfy_env, tiny_wan.load_model())
+    lora = _with_lora(tiny_wan, qmodel)
     ref = tiny_wan.sample(lora)["samples"]
     assert not torch.equal(ref, tiny_wan.sample(qmodel)["samples"]), "the patch must change the output"
     clone, _, state = _prefetch(comfy_env, lora)
@@ -297,14 +307,9 @@ def test_lora_on_and_off_alternating_never_sticks(comfy_env, tiny_wan, fp8):
     the LoRA with the original scale."""
     model = tiny_wan.load_model()
     if fp8:
-        model = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
-            _node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn", quality_check=False))
+        model = _fp8(comfy_env, model)
     ref = tiny_wan.sample(model)["samples"]
-    sd = tiny_wan.load_model().model.diffusion_model.state_dict()
-    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith("ffn.0.weight"))
-    lora = model.clone()
-    g = torch.Generator().manual_seed(3)
-    lora.add_patches({f"diffusion_model.{key}": (torch.randn(sd[key].shape, generator=g) * 0.05,)}, 1.0)
+    lora = _with_lora(tiny_wan, model)
     ref_lora = tiny_wan.sample(lora)["samples"]
     streamed_lora, streamed = _prefetch(comfy_env, lora)[0], _prefetch(comfy_env, model)[0]
     runs = [("node + LoRA", streamed_lora, ref_lora), ("node", streamed, ref), ("ComfyUI", model, ref)] * 2
@@ -332,9 +337,7 @@ def test_a_budget_the_node_accepts_for_fp8_weights_holds_the_engine_slots(comfy_
     from comfyui_levers.bridge.prefetch import _Session
     from comfyui_levers.core.residency.blocks import module_bytes
 
-    quant = _node(comfy_env, "LeversQuantizeDiT")
-    qmodel = (lambda o: (o.args if hasattr(o, "args") else o.result)[0])(
-        quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn", quality_check=False))
+    qmodel = _fp8(comfy_env, tiny_wan.load_model())
     kw = dict(blocks_per_group=-1, prefetch_depth=1, resident_groups=-1)
     clone, _, state = _prefetch(comfy_env, qmodel, **kw, vram_budget_gb=1.0)
 
