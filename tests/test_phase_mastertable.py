@@ -178,3 +178,44 @@ def test_wrapper_subclass_weights_move_by_object_and_swap_back():
     assert tr.ledger.d2h_bytes == 0
     assert table.wrapped["1.weight"].dev is None                # no device copy kept alive after the unload
     assert table.swapped_bytes >= 2 * fp8_bytes
+
+
+def test_a_device_wrapper_written_into_is_not_kept_after_the_unload():
+    """Something wrote into our device copy: the swap back is refused (the real Module.to brings the weight home),
+    and the table must not keep the device wrapper alive (on a GPU: its memory through the next phases)."""
+    from test_prefetch_subclass import Fp8Wrapper
+
+    m = _model()
+    w = m[1].weight.detach()
+    q = Fp8Wrapper(w.to(torch.float8_e4m3fn), torch.tensor(1.0))
+    q._is_param = True
+    m[1]._parameters["weight"] = q
+    table, _ = _table(m)
+    with swap_module_to(table, CPU, torch.device("meta")):
+        m.to(CPU)
+        m[1].weight._scale.mul_(1.0)            # the version moves
+        try:
+            m.to("meta")                        # ComfyUI's own copy takes it from here
+        except Exception:                       # noqa: BLE001 - the toy wrapper cannot go to meta; not the point
+            pass
+    assert table.wrapped["1.weight"].dev is None
+
+
+def test_a_wrapper_put_in_place_since_the_capture_is_adopted_at_load():
+    """ComfyUI restores a LoRA backup as a new wrapper object while the model stays loaded; the next load moves it
+    by object too instead of leaving it to ComfyUI's copy (and its unload to a device->host copy)."""
+    from test_prefetch_subclass import Fp8Wrapper
+
+    m = _model()
+    q = Fp8Wrapper(m[1].weight.detach().to(torch.float8_e4m3fn), torch.tensor(1.0))
+    q._is_param = True
+    m[1]._parameters["weight"] = q
+    table, _ = _table(m)
+    fresh = Fp8Wrapper(q._qdata.clone(), q._scale.clone())
+    fresh._is_param = True
+    m[1]._parameters["weight"] = fresh           # no capture in between
+    with swap_module_to(table, DEV, CPU):
+        m.to(DEV)
+        assert m[1].weight is not fresh and table.wrapped["1.weight"].host is fresh
+        m.to(CPU)
+        assert m[1].weight is fresh

@@ -613,6 +613,7 @@ class MasterTable:
         self.store = store or PinnedStore(transport)
         self.masters: dict[str, _Master] = {}
         self.wrapped: dict[str, _WrappedMaster] = {}
+        self._adopted = False                   # wrapped masters taken at load time, not pinned yet
         self.prefixes: dict[int, str] = {}
         self.swapped_bytes = 0                  # offloaded by pointer swap, cumulative
         self.left_bytes = 0                     # device bytes left to the manager's own copy, cumulative
@@ -646,7 +647,8 @@ class MasterTable:
             with torch.inference_mode(False):
                 self.masters[name] = _Master(host=t.detach())
             fresh += 1
-        if fresh:
+        if fresh or self._adopted:
+            self._adopted = False
             uniq = {m.host.data_ptr(): (n, m.host) for n, m in self.masters.items()}
             for n, w in self.wrapped.items():
                 uniq.update({x.data_ptr(): (f"{n}.{'.'.join(path)}", x) for path, x in w.leaves})
@@ -671,6 +673,12 @@ class MasterTable:
             try:
                 for name, owner, attr, is_param, t in _named_tensor_slots(module, prefix):
                     w = self.wrapped.get(name)
+                    if (is_traceable_wrapper_subclass(t) and (w is None or (w.host is not t and w.dev is not t))
+                            and _wrapped_leaves(t) is not None):
+                        # a wrapper ComfyUI put in place since the last capture (it restores a LoRA backup as a
+                        # new object): adopted now, pinned at the next capture
+                        w = self.wrapped[name] = _WrappedMaster(host=t, leaves=_wrapped_leaves(t))
+                        self._adopted = True
                     if w is not None and (w.host is t or w.dev is t):
                         if w.dev is t:
                             continue                                  # already ours on the device
@@ -714,9 +722,12 @@ class MasterTable:
             return 0, 0
         swapped, left = 0, 0
         home: dict[int, _WrappedMaster] = {}      # device wrappers swapped back (tied twins follow)
+        done: list[_WrappedMaster] = []           # wrapped weights under this module: no device wrapper kept after
         with torch.inference_mode(False), torch.no_grad():
             for name, owner, attr, is_param, t in _named_tensor_slots(module, prefix):
                 w = self.wrapped.get(name)
+                if w is not None:
+                    done.append(w)
                 if w is not None and (t is w.host or t is w.dev):
                     if t is w.host:
                         continue                                  # already home
@@ -737,8 +748,10 @@ class MasterTable:
                 elif t.device.type != "cpu":
                     left += 1
                     self.left_bytes += tensor_nbytes(t)
-        for w in home.values():
-            w.dev = None                  # its device copies go with it
+        for w in done:
+            # swapped back, or left to ComfyUI's own copy (written into, or re-wrapped by ComfyUI): either way
+            # the device copies must not outlive the unload through this reference
+            w.dev = None
         self.swapped_bytes += swapped
         return swapped, left
 
