@@ -900,15 +900,20 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
             out["bit_identical_b"] = same(got_b, ref_b)
             out["status"] = "ok"
             out["fp8"] = _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape_a, sample, same)
-        except OutOfTime as exc:
-            out.update(status="partial", reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
-            out.update(status="oom" if _is_oom(exc) else "error", reason=_short(exc),
-                       traceback=traceback.format_exc()[-8000:])
-            _log(f"GroupPrefetch in ComfyUI: {out['status']}: {_short(exc, 300)}")
+            _record_failure(out, exc, "GroupPrefetch in ComfyUI")
         finally:
             _unload_all(env, dev)
     return out
+
+
+def _record_failure(out: dict[str, Any], exc: Exception, label: str) -> None:
+    """A flow that ran out of the suite's time is partial; any other failure is its result (oom or error)."""
+    if isinstance(exc, OutOfTime):
+        out.update(status="partial", reason=str(exc))
+        return
+    out.update(status="oom" if _is_oom(exc) else "error", reason=_short(exc), traceback=traceback.format_exc()[-8000:])
+    _log(f"{label}: {out['status']}: {_short(exc, 300)}")
 
 
 def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same) -> dict[str, Any]:
@@ -942,12 +947,8 @@ def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample
         out["status"] = "ok"
         _log(f"GroupPrefetch in ComfyUI, fp8 ({out['layers']}): {out['levers_s']:.2f}s vs ComfyUI "
              f"{out['comfy_s']:.2f}s (ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
-    except OutOfTime as exc:
-        out.update(status="partial", reason=str(exc))
     except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
-        out.update(status="oom" if _is_oom(exc) else "error", reason=_short(exc),
-                   traceback=traceback.format_exc()[-8000:])
-        _log(f"GroupPrefetch in ComfyUI, fp8: {out['status']}: {_short(exc, 300)}")
+        _record_failure(out, exc, "GroupPrefetch in ComfyUI, fp8")
     finally:
         _unload_all(env, dev)
     return out

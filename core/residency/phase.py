@@ -673,12 +673,13 @@ class MasterTable:
             try:
                 for name, owner, attr, is_param, t in _named_tensor_slots(module, prefix):
                     w = self.wrapped.get(name)
-                    if (is_traceable_wrapper_subclass(t) and (w is None or (w.host is not t and w.dev is not t))
-                            and _wrapped_leaves(t) is not None):
+                    if is_traceable_wrapper_subclass(t) and (w is None or (w.host is not t and w.dev is not t)):
                         # a wrapper ComfyUI put in place since the last capture (it restores a LoRA backup as a
                         # new object): adopted now, pinned at the next capture
-                        w = self.wrapped[name] = _WrappedMaster(host=t, leaves=_wrapped_leaves(t))
-                        self._adopted = True
+                        inner = _wrapped_leaves(t)
+                        if inner is not None:
+                            w = self.wrapped[name] = _WrappedMaster(host=t, leaves=inner)
+                            self._adopted = True
                     if w is not None and (w.host is t or w.dev is t):
                         if w.dev is t:
                             continue                                  # already ours on the device
