@@ -510,7 +510,19 @@ class PrefetchState:
         s = self.session
         if s is not None and s.handle is None and s.skip_reason is None:
             s.attach()
+        if s is not None and s.handle is not None:
+            # BaseModel.apply_model's executor arguments: x, t, c_concat, c_crossattn, control, transformer_options
+            s.handle.route_key = route_key(args[5] if len(args) > 5 else kwargs.get("transformer_options"))
         return executor(*args, **kwargs)
+
+
+def route_key(transformer_options: Any) -> Any:
+    """Which blocks this model call replaces: skip-layer guidance replaces the blocks it skips with a function that
+    does not run them, so its calls learn their own route apart from the full ones (``PrefetchHandle.route_key``)."""
+    opts = transformer_options if isinstance(transformer_options, dict) else {}
+    replaced = opts.get("patches_replace") or {}
+    key = frozenset((kind, name) for kind, table in replaced.items() if isinstance(table, dict) for name in table)
+    return key or None
 
 
 HOOKS_LINE = ("GroupPrefetch stands aside for this run: its conditioning carries weight hooks (hook LoRA, "

@@ -98,11 +98,14 @@ class ToyWan(nn.Module):
         self.blocks = nn.ModuleList(
             WanBlock(d, dtype=torch.bfloat16 if (mixed and i % 2) else torch.float32) for i in range(n))
         self.head = nn.Linear(d, 16)
+        self.skip: set[int] = set()     # blocks the forward leaves out (skip-layer guidance, Chroma's skip_mmdit)
 
     def forward(self, x, t):
         x = self.patch_embedding(x)
         e = self.time_embedding(t.reshape(-1, 1, 1)).reshape(x.shape[0], 6, -1)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if i in self.skip:
+                continue
             dt = block.q.weight.dtype
             x = block(x.to(dt), e.to(dt)).float()
         return self.head(x)

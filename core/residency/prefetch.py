@@ -25,6 +25,13 @@ Schedule per streamed group g (hooks on the blocks, opaque to torch.compile):
   its slot -> compute. post-hook of g's last block: rebind g's parameters to the host arena and
   release the slot. A copy into a slot always follows ``wait_compute`` so it cannot overwrite
   weights that compute issued earlier still reads. No host synchronisation in the hot path.
+
+Routes: a forward may skip blocks (skip-layer guidance replaces them with a function that does not run
+them; Chroma's ``skip_mmdit``). The caller labels each forward with ``route_key`` (forwards that may skip
+different blocks get different keys); the engine remembers which blocks the last forward under each key
+ran, and the prefetch order of the next forward under that key leaves out the groups none of whose blocks
+ran. A group that runs although its key's last forward skipped it loads on demand (a miss), and the rest of
+that forward prefetches in the full order.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +57,7 @@ AUTO = "auto"
 ALIGN_BYTES = 64          # slice alignment inside arenas and slots (DMA- and vector-friendly)
 MAX_AUTO_DEPTH = 4
 CALIBRATION_FORWARD = 1   # index of the forward whose per-block compute is measured
+CALIBRATION_RETRIES = 4   # later forwards that may measure instead when it skipped blocks (always skipped: 0 s)
 SLOT_ALIGN = 512          # bytes: where each dtype's region starts in a device slot (the CUDA allocator's alignment)
 _GIB = 1024 ** 3
 
@@ -988,6 +996,7 @@ class ForwardStats:
     d2h_bytes: int = 0
     h2d_copies: int = 0
     misses: int = 0
+    skipped_groups: int = 0     # streamed groups none of whose blocks ran
     seconds: float | None = None
 
 
@@ -1060,6 +1069,14 @@ class PrefetchHandle:
         self._fwd_marks: list[tuple[Any, Any]] = []
         self._forward_seconds: list[float] = []
         self._misses = 0
+        # routes (see the module docstring): the caller sets route_key before each forward
+        self.route_key: Hashable = None
+        self._skipped: dict[Hashable, frozenset[int]] = {}   # blocks the last forward under each key did not run
+        self._routes: dict[Hashable, list[int]] = {}        # streamed groups each key runs, in order (per layout)
+        self._after: dict[Hashable, Hashable] = {}          # the key that came next after each key, last time
+        self._key: Hashable = None
+        self._route: list[int] = []
+        self._ran: set[int] = set()
         self._calibrating = False
         self._replan_pending = False      # a calibrated layout deferred by stats(): built at the next forward
         self._block_marks: dict[int, Any] = {}
@@ -1173,6 +1190,8 @@ class PrefetchHandle:
             for b in range(b0, b1):
                 self.group_of[b] = gi
         self.stream_order = [grp.index for grp in self.groups if not grp.resident]
+        self._routes = {}
+        self._route = self.stream_order
         with torch.no_grad(), torch.inference_mode(self.store.inference):
             # why: the buffers below are fresh allocations from the compute stream's pool, whose memory
             # work queued there may still use; the copy stream must not write into them before it ends
@@ -1336,15 +1355,19 @@ class PrefetchHandle:
         self._collect_timings()
         # Calibrate on the second forward: the first pays one-time costs (kernel autotuning,
         # allocator growth, cold caches) that inflated per-block compute ~2x on an H200.
-        self._calibrating = self.forwards == CALIBRATION_FORWARD and self.block_compute_s is None
+        # (a forward that skips blocks leaves them unmeasured: the next forward measures instead)
+        self._calibrating = (self.forwards >= CALIBRATION_FORWARD and self.block_compute_s is None
+                             and getattr(self, "_calibration_pairs", None) is None)
         self._fwd_ledger = self.transport.ledger.snapshot()
         self._misses = 0
         self._fwd_start_mark = self.clock.mark()
         self._block_pairs = []
+        self._key, self._ran = self.route_key, set()
+        self._route = self._route_for(self._key)
         # copy the first streamed groups now, overlapping the embedders / resident prefix
         # (no-op when the previous forward's wrap-around already brought them in)
-        if self.stream_order:
-            self._prefetch(self.stream_order[: self.plan.prefetch_depth], protect=set())
+        if self._route:
+            self._prefetch(self._route[: self.plan.prefetch_depth], protect=set())
 
     @torch.compiler.disable
     def _on_forward_end(self, module, args, output):
@@ -1357,11 +1380,20 @@ class PrefetchHandle:
         end = self.clock.mark()
         self._fwd_marks.append((start, end))
         before, after = self._fwd_ledger or {}, self.transport.ledger.snapshot()
+        skipped = frozenset(b for b in range(self.store.n_blocks) if b not in self._ran)
+        if self._skipped.get(self._key, frozenset()) != skipped:
+            self._skipped[self._key] = skipped
+            self._routes.pop(self._key, None)
+        self._after[getattr(self, "_prev_key", self._key)] = self._key
+        self._prev_key = self._key
         self.last = ForwardStats(
             h2d_bytes=after["h2d_bytes"] - before.get("h2d_bytes", 0),
             d2h_bytes=after["d2h_bytes"] - before.get("d2h_bytes", 0),
             h2d_copies=after["h2d_copies"] - before.get("h2d_copies", 0),
-            misses=self._misses)
+            misses=self._misses,
+            skipped_groups=len(self.stream_order) - len(self._route_for(self._key)))
+        if self._calibrating and skipped and self.forwards < CALIBRATION_FORWARD + CALIBRATION_RETRIES:
+            self._calibrating = False       # blocks went unmeasured: a later forward calibrates
         self.forwards += 1
         if self._calibrating:
             self._calibration_pairs = (self._block_pairs, start, end)
@@ -1370,6 +1402,7 @@ class PrefetchHandle:
                 self._collect_timings()   # CPU marks are ready now; CUDA ones are read next forward
 
     def _enter_block(self, b: int) -> None:
+        self._ran.add(b)
         g = self.group_of[b]
         grp = self.groups[g]
         if not grp.resident and self.bound != g:
@@ -1392,10 +1425,18 @@ class PrefetchHandle:
         if slot is None:                       # not prefetched (first forward, or blocks ran out of order)
             self._misses += 1
             slot = self._load(g, protect=set())
-        order = self.stream_order
-        pos = order.index(g)
-        ahead = [order[(pos + k) % len(order)] for k in range(1, self.plan.prefetch_depth + 1)
-                 if len(order) > k]
+        if g not in self._route:               # its key's last forward skipped it: prefetch in the full order
+            self._route = self.stream_order
+        order = self._route
+        # the groups after g, then (wrapping around) those the next forward starts with: the next step or
+        # the other CFG half, under the key that followed this one last time
+        following = order[order.index(g) + 1:] + self._route_for(self._after.get(self._key, self._key))
+        ahead: list[int] = []
+        for h in following:
+            if h != g and h not in ahead:
+                ahead.append(h)
+                if len(ahead) == self.plan.prefetch_depth:
+                    break
         self._prefetch(ahead, protect={g})
         # why: compute must not read the slot before the copy that fills it has finished
         self.transport.wait(slot.event, tag=self.groups[g].tag)
@@ -1407,6 +1448,17 @@ class PrefetchHandle:
         slot.last_use = self._use_counter
         self.bound = g
         note_compute(self.transport, self.groups[g].tag)
+
+    def _route_for(self, key: Hashable) -> list[int]:
+        """The streamed groups a forward under ``key`` is expected to run, in order: all but those none of
+        whose blocks ran in the last forward under that key."""
+        route = self._routes.get(key)
+        if route is None:
+            skipped = self._skipped.get(key, frozenset())
+            route = [gi for gi in self.stream_order
+                     if any(b not in skipped for b in range(self.groups[gi].b0, self.groups[gi].b1))]
+            self._routes[key] = route
+        return route
 
     def _prefetch(self, groups: Sequence[int], protect: set[int]) -> None:
         keep = set(protect) | set(groups)
@@ -1524,7 +1576,8 @@ class PrefetchHandle:
             "forwards": self.forwards,
             "last_forward": {"h2d_bytes": self.last.h2d_bytes, "d2h_bytes": self.last.d2h_bytes,
                              "h2d_copies": self.last.h2d_copies, "misses": self.last.misses,
-                             "seconds": self.last.seconds},
+                             "skipped_groups": self.last.skipped_groups, "seconds": self.last.seconds},
+            "skipping_routes": sum(1 for k in self._skipped if len(self._route_for(k)) < len(self.stream_order)),
             "packed": bool(self._staging),
             "stream_device_bytes_per_forward": sum(self.groups[gi].nbytes for gi in self.stream_order),
             "staging_bytes": sum(st.nbytes for st in self._staging.values()),
@@ -1555,6 +1608,11 @@ class PrefetchHandle:
             f"per forward: {_gb(s['streamed_bytes_per_forward'])} host->device planned; last forward moved "
             f"{_gb(s['last_forward']['h2d_bytes'])} host->device, {_gb(s['last_forward']['d2h_bytes'])} device->host.",
         ]
+        if s["skipping_routes"]:
+            lines.append(f"skipped blocks: {s['skipping_routes']} kind(s) of forward skip blocks (skip-layer guidance, "
+                         "a model's own skip list); each copies only the groups that run, as its previous forward "
+                         f"did (last forward: {s['last_forward']['skipped_groups']} streamed group(s) left out, "
+                         f"{s['last_forward']['misses']} loaded on demand).")
         if self.config.packed and not s["packed"] and "as stored:" in p.reason:
             lines.append("packed streaming not used: " + p.reason.split("as stored: ", 1)[1] + ".")
         if s["packed"]:

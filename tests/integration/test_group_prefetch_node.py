@@ -355,6 +355,26 @@ def test_a_budget_the_node_accepts_for_fp8_weights_holds_the_engine_slots(comfy_
     assert state.last_stats is not None and state.last_stats["device_bytes_planned"] <= hi, state.last_report
 
 
+def test_skip_layer_guidance_copies_only_the_blocks_each_call_runs(comfy_env, tiny_wan):
+    """ComfyUI's SkipLayerGuidanceDiTSimple runs the uncond half as its own call with block 2 replaced by a function
+    that skips it. Each kind of call learns its route (keyed by the replaced blocks): the skipping call copies only
+    the groups that run and loads none on demand, bit-identical to ComfyUI without the node."""
+    import comfy_extras.nodes_slg as slg
+
+    out = slg.SkipLayerGuidanceDiTSimple.execute(tiny_wan.load_model(), double_layers="2", single_layers="",
+                                                 start_percent=0.0, end_percent=1.0)
+    model = out.args[0] if hasattr(out, "args") else out.result[0] if hasattr(out, "result") else out[0]
+    ref = tiny_wan.sample(model, steps=3)["samples"]
+    plain = tiny_wan.sample(tiny_wan.load_model(), steps=3)["samples"]
+    assert not torch.equal(ref, plain), "skipping block 2 must change the output for this test to mean anything"
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=0)       # 4 streamed blocks, 2 slots
+    assert torch.equal(tiny_wan.sample(clone, steps=3)["samples"], ref)
+    last = state.last_stats["last_forward"]       # the last call is a skipping one (uncond, after cond)
+    assert last["skipped_groups"] == 1 and last["misses"] == 0 and last["d2h_bytes"] == 0
+    assert 0 < last["h2d_bytes"] < state.last_stats["streamed_bytes_per_forward"]
+    assert "skipped blocks: 1 kind(s) of forward" in state.last_report, state.last_report
+
+
 def test_invalid_setting_names_the_field(comfy_env, tiny_wan):
     from comfyui_levers.core.errors import ConfigError
 
