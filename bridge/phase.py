@@ -231,9 +231,17 @@ def _phase_class(base: type) -> type:
         with comp.moves(self, "partial_unload"):
             return super(cls, self).partially_unload(*args, **kwargs)
 
+    def clone(self, *args, **kwargs):
+        n = super(cls, self).clone(*args, **kwargs)
+        # some patchers' clone() gives the copy their own class (ComfyUI-GGUF's), which would drop this one's
+        # behaviour while the copy still carries the component
+        if type(n) is not cls and isinstance(n, base) and _component(n) is not None:
+            n.__class__ = cls
+        return n
+
     cls = type(f"LeversPhase{base.__name__}", (base,), {
         "_levers_phase_base": base, "partially_load": partially_load, "load": load,
-        "unpatch_model": unpatch_model, "partially_unload": partially_unload,
+        "unpatch_model": unpatch_model, "partially_unload": partially_unload, "clone": clone,
         "__module__": __name__,
     })
     _CLASSES[base] = cls

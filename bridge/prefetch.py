@@ -102,16 +102,17 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
 def _own_storage(t: torch.Tensor, arenas: list[tuple[int, int]]) -> None:
     """Give ``t`` (or the tensors inside a wrapper subclass) its own copy where it points into one of ``arenas``
     (address ranges)."""
-    for x in _stream_tensors(t):
+    own = [t] if subclass.is_plain(t) or subclass.is_storage(t) else [x for _, x in subclass.leaves(t) or []]
+    for x in own:
         if any(lo <= x.data_ptr() < hi for lo, hi in arenas):
             with torch.no_grad(), torch.inference_mode(x.is_inference()):
-                x.data = x.data.clone()
+                x.data = subclass.plain(x.data).clone()
 
 
 def _stream_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors a weight streams as: itself, or a wrapper subclass's inner tensors (fp8 codes and scale)."""
-    inner = None if subclass.is_plain(t) else subclass.leaves(t)
-    return [x for _, x in inner] if inner else [t]
+    inner = None if subclass.is_plain(t) or subclass.is_storage(t) else subclass.leaves(t)
+    return [x for _, x in inner] if inner else [subclass.plain(t)]
 
 
 def slots_hold_all(streamed_blocks: int, blocks_per_group: int, depth: int) -> bool:
@@ -261,7 +262,10 @@ class _Session:
             if full_load or not lowvram_model_memory:
                 lowvram_model_memory = 1e32
             self._reset_streamed_modules()
-            out = orig_load(p, device_to, lowvram_model_memory, force_patch_weights, False, **kw)
+            # by keyword: patchers that override load with (*args, force_patch_weights=..., **kwargs), such as
+            # ComfyUI-GGUF's, pass force_patch_weights on by keyword themselves
+            out = orig_load(p, device_to, lowvram_model_memory=lowvram_model_memory,
+                            force_patch_weights=force_patch_weights, full_load=False, **kw)
             # part of the model is off the device: other clones must take the lowvram path
             p.model.model_lowvram = True
             return out

@@ -129,3 +129,55 @@ def make_flux(seed: int = 0, **kw) -> ToyFlux:
 def make_wan(seed: int = 0, **kw) -> ToyWan:
     torch.manual_seed(seed)
     return ToyWan(**kw).eval()
+
+
+class PackedTensor(torch.Tensor):
+    """A storage subclass shaped like ComfyUI-GGUF's GGMLTensor (written for these tests, no GGUF code): the
+    storage holds a float32 weight's bytes as uint8 rows while ``shape`` reports the weight's own shape, the
+    attributes travel with ``to``, and ``detach`` / ``clone`` return the tensor itself, as GGMLTensor's do."""
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> "PackedTensor":
+        t = w.contiguous().view(torch.uint8).reshape(w.shape[0], -1).as_subclass(cls)
+        t.logical_shape, t.patches = torch.Size(w.shape), []
+        return t
+
+    @property
+    def shape(self):
+        return getattr(self, "logical_shape", self.size())
+
+    def to(self, *args, **kwargs):
+        new = super().to(*args, **kwargs)
+        new.logical_shape, new.patches = getattr(self, "logical_shape", None), list(getattr(self, "patches", []))
+        return new
+
+    def detach(self, *args, **kwargs):
+        return self
+
+    def clone(self, *args, **kwargs):
+        return self
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is a PackedTensor, unpacked on whatever device holds it when it runs."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(PackedTensor.pack(lin.weight.detach().float()), requires_grad=False)
+        self.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+        self.reads: list[int] = []            # data_ptr of the packed weight each call read
+
+    def forward(self, x):
+        self.reads.append(self.weight.data_ptr())
+        w = self.weight.as_subclass(torch.Tensor).reshape(-1).view(torch.float32).reshape(self.weight.shape)
+        return nn.functional.linear(x, w.to(x.dtype), self.bias)
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear under ``model.blocks`` with a PackedLinear (same values)."""
+    for block in model.blocks:
+        for name, child in list(block.named_modules()):
+            if isinstance(child, nn.Linear):
+                parent = block.get_submodule(name.rpartition(".")[0]) if "." in name else block
+                setattr(parent, name.rpartition(".")[2], PackedLinear(child))
+    return model

@@ -156,8 +156,7 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _reject_unsupported(name: str, t: torch.Tensor) -> None:
-    mod = type(t).__module__ or ""
-    if mod.startswith("bitsandbytes") or hasattr(t, "quant_state") or hasattr(t, "SCB"):
+    if subclass.state_outside(t):
         raise IncompatibleInput(name, "a plain or torchao tensor", t,
                                 "bitsandbytes keeps its quantization state outside the parameter, so a pointer "
                                 "swap would leave it behind; quantize with Levers' own formats or torchao instead.")
@@ -640,12 +639,14 @@ class MasterTable:
             if t.device.type != "cpu" or not t.is_contiguous():
                 continue
             m = self.masters.get(name)
-            if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == t.shape
+            if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == _real_shape(t)
                                    and m.host.dtype == t.dtype)
                                   or (m.dev_ptr == t.data_ptr() and _version(t) == m.dev_version)):
                 continue                  # still its master, or our untouched device copy of it
             with torch.inference_mode(False):
-                self.masters[name] = _Master(host=t.detach())
+                # a storage subclass (GGUF's GGMLTensor) is mastered as a plain alias of its data: its real
+                # layout, not the logical shape its ``shape`` reports (the object keeps its attributes)
+                self.masters[name] = _Master(host=subclass.plain(t.detach()))
             fresh += 1
         if fresh or self._adopted:
             self._adopted = False
@@ -697,7 +698,7 @@ class MasterTable:
                     m = self.masters.get(name)
                     if t.data_ptr() in done:
                         continue                                      # a tied twin, already rebound
-                    if m is None or t.data_ptr() != m.host.data_ptr() or t.shape != m.host.shape:
+                    if m is None or t.data_ptr() != m.host.data_ptr() or _real_shape(t) != m.host.shape:
                         if not (m is not None and m.dev_ptr == t.data_ptr()) and (device is None or t.device != device):
                             left += 1
                         continue
@@ -742,7 +743,7 @@ class MasterTable:
                 if t.data_ptr() == (m.host.data_ptr() if m else -1):
                     continue                                      # already home (tied twin)
                 if (m is not None and m.dev_ptr and t.data_ptr() == m.dev_ptr and _storage_id(t) == m.dev_storage
-                        and _version(t) == m.dev_version and t.shape == m.host.shape):
+                        and _version(t) == m.dev_version and _real_shape(t) == m.host.shape):
                     rebind(t, m.host)
                     m.dev_ptr = 0
                     swapped += tensor_nbytes(m.host)
@@ -761,6 +762,11 @@ class MasterTable:
         self.store.release(self.component)
         self.masters.clear()
         self.wrapped.clear()
+
+
+def _real_shape(t: torch.Tensor) -> torch.Size:
+    """``t``'s sizes as stored (GGUF's GGMLTensor reports its dequantized shape through ``shape``)."""
+    return t.size()
 
 
 def _parse_to_device(args, kwargs) -> torch.device | None:

@@ -226,7 +226,8 @@ class HostStore:
         # to an inference parameter's .data breaks its ops), and copies into them must run in
         # inference mode. Models built normally get normal tensors for the same reason.
         self.inference = any(x.is_inference() for _, b in blocks for t in list(b.parameters()) + list(b.buffers())
-                             for x in ([t] if _is_plain(t) else [x for _, x in subclass.leaves(t) or []]))
+                             for x in ([t] if _is_plain(t) or subclass.is_storage(t)
+                                       else [x for _, x in subclass.leaves(t) or []]))
         self._collect(blocks)
         self._allocate(transport, pin)
         self._stage_all(transport)
@@ -243,6 +244,7 @@ class HostStore:
         cursor: dict[torch.dtype, int] = {}
 
         def add(b: int, t: torch.Tensor, refs: list[_Ref], wrapped: _Wrapped | None = None) -> _Entry:
+            t = subclass.plain(t)          # a storage subclass's real layout (GGUF: packed blocks)
             span = _dense_span(t)
             stride = tuple(t.stride()) if span is not None else _contiguous_stride(t.shape)
             span = span if span is not None else t.numel()
@@ -277,7 +279,7 @@ class HostStore:
                         why, inner = None, None
                         if len(owners[id(t)]) > 1:
                             why = "shared between blocks"
-                        elif not _is_plain(t):
+                        elif not _is_plain(t) and not subclass.is_storage(t):
                             inner = subclass.leaves(t)
                             if inner is None:
                                 why = f"tensor subclass {type(t.data).__name__} (no plain inner tensors to stream)"
@@ -342,7 +344,7 @@ class HostStore:
         with torch.no_grad(), torch.inference_mode(self.inference):
             for e in self.entries:
                 t = e.refs[0].get()
-                d2h |= self._stage(e, t.data, transport)
+                d2h |= self._stage(e, subclass.plain(t.data), transport)
                 e.tensor = t
         if d2h:
             transport.synchronize()   # one-time: staged device weights must land before we drop them
@@ -438,8 +440,9 @@ class HostStore:
                 t = e.refs[0].get()
                 if t is None:
                     raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
-                same = (t.data_ptr() == e.host_view.data_ptr() and t.dtype == e.dtype
-                        and tuple(t.shape) == e.shape and tuple(t.stride()) == e.stride and t.device.type == "cpu")
+                v = subclass.plain(t.data)     # a storage subclass's real layout, not its logical shape
+                same = (v.data_ptr() == e.host_view.data_ptr() and v.dtype == e.dtype
+                        and tuple(v.shape) == e.shape and tuple(v.stride()) == e.stride and v.device.type == "cpu")
                 if same and e.dtype in self._planes and (id(e) in forced or not self._fingerprint_holds(e)):
                     e.tensor = t
                     changed.append(e)      # its values are already in the arena view; only re-pack
@@ -447,15 +450,15 @@ class HostStore:
                 if same:
                     e.tensor = t
                     continue
-                if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                if v.dtype != e.dtype or tuple(v.shape) != e.shape:
                     raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor changed dtype or shape; "
                                        f"rebuild the prefetch store")
                 old = e.tensor
                 if old is not None and old is not t and old.data_ptr() == e.host_view.data_ptr():
                     # why: the replaced tensor may still be held (ComfyUI's LoRA backup keeps the original
                     # Parameter) and it points at the arena view the new values are about to overwrite
-                    old.data = old.data.clone()
-                d2h |= self._stage(e, t.data, transport)
+                    old.data = subclass.plain(old.data).clone()
+                d2h |= self._stage(e, v, transport)
                 e.tensor = t
                 changed.append(e)
         if d2h:
@@ -1149,6 +1152,8 @@ class PrefetchHandle:
             self.transport.wait(self.transport.record("remainder"), "remainder")
 
     def _to_device(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        if subclass.is_storage(t):     # the same object kind and attributes around a device copy of its data
+            return subclass.like(t, self.transport.copy_to_device(subclass.plain(t.data), tag=tag))
         if _is_plain(t):
             data = self.transport.copy_to_device(t.data, tag=tag)
         else:

@@ -9,6 +9,12 @@ A wrapper's own device is fixed when it is built, so moving one means building a
 moved inner tensors; swapping the inner tensors' storage (as offload does with plain parameters) would
 leave the wrapper claiming the old device. Offload therefore keeps the host copies in the wrapper's inner
 tensors and builds device wrappers around device copies (``rebuild``).
+
+Storage subclasses are the other kind: a plain tensor's storage and layout with Python attributes on top and
+no dispatch of their own. ComfyUI-GGUF's ``GGMLTensor`` is one (packed quantized blocks as uint8, with the
+quantization type, the logical shape, which its ``shape`` property returns, and LoRA patches as attributes).
+Their data is swapped by pointer like a plain tensor's (``.data = ...`` keeps the object and its
+attributes); their real layout is read from a plain alias (``plain``), never from ``shape``.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from typing import Mapping
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 Path = tuple[str, ...]
 
@@ -23,6 +30,32 @@ Path = tuple[str, ...]
 def is_plain(t: torch.Tensor) -> bool:
     """A tensor or parameter whose data is an ordinary tensor (no subclass anywhere)."""
     return type(t) in (torch.Tensor, nn.Parameter) and type(t.data) is torch.Tensor
+
+
+def state_outside(t: torch.Tensor) -> bool:
+    """bitsandbytes parameters keep their quantization state (absmax, codebook) in objects beside the data, which
+    neither a pointer swap nor a rebuilt wrapper would move with it."""
+    mod = type(t).__module__ or ""
+    return mod.startswith("bitsandbytes") or hasattr(t, "quant_state") or hasattr(t, "SCB")
+
+
+def is_storage(t: torch.Tensor) -> bool:
+    """A storage subclass (module docstring): its own storage, extra attributes, no dispatch or flatten protocol."""
+    cls = type(t)
+    return (not is_plain(t) and not is_traceable_wrapper_subclass(t) and not hasattr(t, "__tensor_flatten__")
+            and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not state_outside(t))
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when plain, else a plain alias of a storage subclass's data (its real sizes and strides)."""
+    return t if is_plain(t) else t.as_subclass(torch.Tensor)
+
+
+def like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """A storage subclass of ``t``'s class and attributes around ``data`` (no copy; a parameter stays one)."""
+    out = data.as_subclass(type(t))
+    out.__dict__.update(t.__dict__)
+    return out
 
 
 def leaves(t: torch.Tensor, path: Path = ()) -> list[tuple[Path, torch.Tensor]] | None:
@@ -86,7 +119,7 @@ def rebuild(t: torch.Tensor, new: Mapping[Path, torch.Tensor], path: Path = ()) 
 def nbytes(t: torch.Tensor) -> int:
     """Bytes ``t`` holds: a wrapper subclass's inner tensors (an fp8 weight is its codes and scale, not
     its logical dtype's size), a plain tensor's elements."""
-    if type(t) in (torch.Tensor, nn.Parameter):
+    if type(t) in (torch.Tensor, nn.Parameter) or is_storage(t):
         return t.numel() * t.element_size()
     inner = leaves(t)
     if inner is None:

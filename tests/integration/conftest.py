@@ -118,3 +118,32 @@ class TinyWan:
 @pytest.fixture(scope="session")
 def tiny_wan(comfy_env):
     return TinyWan(comfy_env)
+
+
+@pytest.fixture(scope="session")
+def gguf(comfy_env, tiny_wan):
+    """ComfyUI-GGUF (city96), imported as ComfyUI imports a custom node, with a tiny Wan 2.1 GGUF file (Q8_0 and
+    Q4_0 weights) in the models folder. Point COMFYUI_GGUF_PATH at a ComfyUI-GGUF checkout (and install the ``gguf``
+    package) to run these tests; without it they are skipped with that reason."""
+    path = os.environ.get("COMFYUI_GGUF_PATH")
+    if not path or not os.path.isfile(os.path.join(path, "nodes.py")):
+        pytest.skip("COMFYUI_GGUF_PATH is not set to a ComfyUI-GGUF checkout: the GGUF tests need the real custom "
+                    "node (it is not on PyPI)")
+    pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+    import importlib.util
+
+    name = "levers_test_comfyui_gguf"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    from tiny_models import save_gguf, tiny_wan_dit_state_dict
+
+    unet = "levers_tiny_wan21_q8_q4.gguf"
+    kinds = save_gguf(tiny_wan_dit_state_dict(), os.path.join(comfy_env.models_dir, "diffusion_models", unet), "wan")
+    nodes = importlib.import_module(f"{name}.nodes")
+    ops = importlib.import_module(f"{name}.ops")
+    return SimpleNamespace(nodes=nodes, ops=ops, kinds=kinds,
+                           load_model=lambda: nodes.UnetLoaderGGUF().load_unet(unet)[0])

@@ -69,3 +69,34 @@ def save(state_dict: dict, path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file(state_dict, path)
     return path
+
+
+def save_gguf(state_dict: dict, path: str, arch: str, seed: int = 0) -> dict:
+    """Write ``state_dict`` as a GGUF file ComfyUI-GGUF's loader reads (needs the ``gguf`` package). 2-D weights
+    whose rows hold whole 32-value blocks are quantized, alternately Q8_0 and Q4_0 (the commonest GGUF formats);
+    others are stored F32 (1-D, or few values) or F16 with their shape in the loader's ``orig_shape`` field.
+    Returns {key: quantization type name}."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    kinds, n_quant = {}, 0
+    for key, t in state_dict.items():
+        a = t.float().numpy()
+        if a.ndim == 2 and a.shape[1] % 32 == 0 and a.size >= 1024:
+            q = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0)[n_quant % 2]
+            n_quant += 1
+            writer.add_tensor(key, gguf.quants.quantize(a, q), raw_dtype=q)
+        elif a.ndim <= 1 or a.size < 1024:
+            q = gguf.GGMLQuantizationType.F32
+            writer.add_tensor(key, a.astype(np.float32))
+        else:
+            q = gguf.GGMLQuantizationType.F16
+            writer.add_array(f"comfy.gguf.orig_shape.{key}", [int(x) for x in a.shape])
+            writer.add_tensor(key, a.astype(np.float16))
+        kinds[key] = q.name
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return kinds
