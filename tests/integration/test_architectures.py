@@ -102,3 +102,30 @@ def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny):
     clone, _, state = _prefetch(comfy_env, quantized)
     assert torch.equal(tiny.sample(clone), qref)
     _assert_streamed_every_byte(state, ARCH[tiny.name])
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_every_streamed_block_reads_its_weights_from_the_slots(comfy_env, tiny, monkeypatch, fp8):
+    """The ledger shows the bytes crossed; this shows the blocks used them: every floating-point slot copy lands
+    doubled (``tiny_models.double_slots_transport``), so the output must be exactly that of the model with every
+    block tensor doubled. After QuantizeDiT fp8 the doubled scales sit inside ComfyUI's QuantizedTensor weights,
+    read through the device wrapper built around the slot; quantizing 2W gives the same fp8 codes and twice the
+    scale, so the reference is QuantizeDiT of the doubled model."""
+    import comfyui_levers.bridge.prefetch as bp
+    from tiny_models import double_blocks, double_slots_transport
+
+    def quantized(model):
+        if not fp8:
+            return model
+        return _result(_node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn",
+                                                                      quality_check=False))[0]
+
+    doubled = tiny.load()
+    double_blocks(doubled)
+    want = tiny.sample(quantized(doubled), steps=2)
+    assert not torch.equal(want, tiny.sample(quantized(tiny.load()), steps=2)), "doubling the blocks must show"
+    monkeypatch.setattr(bp, "make_transport", lambda dev, record=False: double_slots_transport())
+    clone, _, state = _prefetch(comfy_env, quantized(tiny.load()))          # resident_groups=0: every block streams
+    out = tiny.sample(clone, steps=2)
+    assert "not streamed" not in state.last_report, state.last_report
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)

@@ -100,3 +100,32 @@ def save_gguf(state_dict: dict, path: str, arch: str, seed: int = 0) -> dict:
     writer.write_tensors_to_file()
     writer.close()
     return kinds
+
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def double_slots_transport():
+    """A CPU transport whose copies into GroupPrefetch's slots land with every floating-point value doubled. On a
+    CPU a block that read its host copy instead of its slot would compute the same output; with this transport the
+    output must be that of the model with every block tensor doubled (``double_blocks``). Doubling is exact, and
+    unlike zeros it cannot be hidden behind a zeroed gate."""
+    from comfyui_levers.core.residency.transport import CpuTransport
+
+    class DoubleSlots(CpuTransport):
+        def copy_to_device(self, src, dst=None, tag=""):
+            out = super().copy_to_device(src, dst, tag)
+            return out.mul_(2) if tag.startswith("group") and out.dtype in FLOATS else out
+    return DoubleSlots()
+
+
+def double_blocks(model) -> None:
+    """Double every floating-point tensor in the diffusion model's blocks, in place (the reference for
+    ``double_slots_transport``). ``model`` is a ModelPatcher."""
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    with torch.no_grad():
+        for _, block in find_blocks(model.model).blocks:
+            for t in [*block.parameters(), *block.buffers()]:
+                if t.dtype in FLOATS:
+                    t.mul_(2)
