@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -904,6 +905,102 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
             _record_failure(out, exc, "GroupPrefetch in ComfyUI")
         finally:
             _unload_all(env, dev)
+    out["gguf"] = _prefetch_gguf_in_comfy(env, dev, clock, model, shape_a, sample, same)
+    return out
+
+
+def _comfyui_gguf():
+    """ComfyUI-GGUF (city96's custom node, not on PyPI) from $COMFYUI_GGUF_PATH, imported as ComfyUI imports a
+    custom node; None with the reason when it or the ``gguf`` package is missing."""
+    path = os.environ.get("COMFYUI_GGUF_PATH")
+    if not path or not (Path(path) / "nodes.py").is_file():
+        return None, "COMFYUI_GGUF_PATH does not point at a ComfyUI-GGUF checkout"
+    if importlib.util.find_spec("gguf") is None:
+        return None, "the gguf package is not installed"
+    name = "levers_bench_comfyui_gguf"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, str(Path(path) / "__init__.py"),
+                                                      submodule_search_locations=[str(path)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return types.SimpleNamespace(nodes=importlib.import_module(f"{name}.nodes"),
+                                 ops=importlib.import_module(f"{name}.ops"), gguf=importlib.import_module("gguf")), None
+
+
+def _q8_0(w: torch.Tensor) -> torch.Tensor:
+    """GGML's Q8_0 blocks of a 2-D weight (rows of 32-value blocks, each an fp16 scale then 32 int8 codes), as the
+    uint8 rows a GGUF file holds; computed on whatever device ``w`` is on."""
+    rows, cols = w.shape
+    x = w.float().reshape(rows, cols // 32, 32)
+    d = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d == 0, torch.zeros_like(x), x / d).round().clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=-1)
+    return blocks.reshape(rows, cols // 32 * 34)
+
+
+def gguf_q8_model(env, gg, model, dev: torch.device):
+    """``model``'s diffusion model as ComfyUI-GGUF loads a Q8_0 GGUF file of it: 2-D weights in Q8_0 (rows of whole
+    32-value blocks), the rest F32, every tensor a GGMLTensor, through GGMLOps and GGUFModelPatcher (what Unet
+    Loader (GGUF) does after reading the file)."""
+    qt = gg.gguf.GGMLQuantizationType
+    sd = {}
+    with torch.no_grad():
+        for key, t in model.model.diffusion_model.state_dict().items():
+            if t.ndim == 2 and t.shape[1] % 32 == 0 and t.numel() >= 1024:
+                data = _q8_0(t.to(dev) if dev.type == "cuda" else t).cpu()
+                sd[key] = gg.ops.GGMLTensor(data, tensor_type=qt.Q8_0, tensor_shape=t.shape)
+            else:
+                sd[key] = gg.ops.GGMLTensor(t.float().cpu().contiguous(), tensor_type=qt.F32, tensor_shape=t.shape)
+    base = env.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": gg.ops.GGMLOps()})
+    if base is None:
+        raise RuntimeError("ComfyUI did not detect the GGUF state dict's architecture")
+    return gg.nodes.GGUFModelPatcher.clone(base)
+
+
+def _prefetch_gguf_in_comfy(env, dev, clock, model, shape, sample, same) -> dict[str, Any]:
+    """The same DiT as a Q8_0 GGUF model loaded the way ComfyUI-GGUF loads one: ComfyUI (with ComfyUI-GGUF's
+    per-layer dequantization) on a card that holds about a quarter of the Q8 weights plus the same room for
+    activations, against GroupPrefetch streaming the packed Q8 bytes (about half of bf16) on that card."""
+    out: dict[str, Any] = {"status": "running", "reason": None}
+    try:
+        gg, why = _comfyui_gguf()
+        if gg is None:
+            out.update(status="skipped", reason=why)
+            return out
+        from comfyui_levers.core.residency.blocks import module_bytes
+        clock.need(20, "GroupPrefetch on a GGUF model: building the Q8_0 model")
+        gmodel = gguf_q8_model(env, gg, model, dev)
+        q8 = module_bytes(gmodel.model.diffusion_model)
+        card = int(0.25 * q8 + 2.5 * GIB) if dev.type == "cuda" else None
+        node_budget_gb = 0.0 if dev.type == "cuda" else round(0.75 * q8 / GIB, 6)
+        out.update(q8_dit_gib=_gib(q8), card_gib=_gib(card), node_vram_budget_gb=node_budget_gb or "auto")
+        with emulated_card(env.mm, dev, card):
+            try:
+                _unload_all(env, dev)
+                sample(gmodel, shape)
+                ref, out["comfy_s"], out["comfy_peak_bytes"] = sample(gmodel, shape)
+                out["comfy_loaded_bytes"] = int(gmodel.loaded_size())
+                _unload_all(env, dev)
+                clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch on a GGUF model: GroupPrefetch")
+                clone, _ = _levers_node("LeversGroupPrefetch").execute(gmodel, vram_budget_gb=node_budget_gb).args
+                from comfyui_levers.bridge.prefetch import prefetch_state
+                state = prefetch_state(clone)
+                sample(clone, shape)
+                got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
+                out["bit_identical"] = same(got, ref)
+                out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
+                out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items()
+                                       if not isinstance(v, (dict, list))}
+                out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
+                out["levers_report"] = state.last_report
+                out["status"] = "ok"
+                _log(f"GroupPrefetch on a GGUF Q8_0 model: {out['levers_s']:.2f}s vs ComfyUI(-GGUF) "
+                     f"{out['comfy_s']:.2f}s (ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
+            finally:
+                _unload_all(env, dev)
+    except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
+        _record_failure(out, exc, "GroupPrefetch on a GGUF model")
     return out
 
 

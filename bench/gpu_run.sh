@@ -9,6 +9,7 @@
 #   .comfy/pollockjj  a ComfyUI 0.8-era checkout: the legacy lowvram baseline and PhaseOffload inside ComfyUI
 #   .comfy/yzkee      a ComfyUI 0.15+ checkout: the DynamicVRAM baseline
 #   .comfy/site       import-only stand-ins ComfyUI needs on a bare machine
+#   .comfy/gguf       a ComfyUI-GGUF checkout (with the gguf wheel in .whl/): GroupPrefetch on a GGUF model
 # The CUDA tests get at most 150 s; the suite keeps to its own --time-budget (450 s by default).
 set -u
 OUT=${OUT:-out}
@@ -23,6 +24,7 @@ PK=/tmp/levers-pk
 mkdir -p "$PK" && ln -sfn "$PWD" "$PK/comfyui_levers"
 export PYTHONPATH="$PK:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .comfy/site ] && export PYTHONPATH="$PYTHONPATH:$PWD/.comfy/site"
+[ -f .comfy/gguf/nodes.py ] && export COMFYUI_GGUF_PATH="$PWD/.comfy/gguf"
 export PYTHONUNBUFFERED=1
 
 timeout 150 python3 -m pytest tests -q -m cuda -p no:cacheprovider > "$OUT/cuda-tests.log" 2>&1

@@ -2509,6 +2509,19 @@ def build_summary(results: dict) -> dict[str, Any]:
         bit_identical=gp8.get("bit_identical"), layers=gp8.get("layers"), kept_unstreamed=kept,
         definition="as prefetch_in_comfy_vs_lowvram, after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where "
                    "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0")
+    gpg = gp.get("gguf") or {}
+    gpg_ratio = gpg.get("ratio_time")
+    summary["prefetch_gguf_in_comfy_vs_lowvram"] = _metric(
+        rnd(gpg_ratio, 3) if gpg_ratio is not None else None,
+        _section_reason(results, "comfy_phase") or gpg.get("reason") or gp.get("reason") or "not measured",
+        "<= 0.77 (>= 1.3x faster)", None if gpg_ratio is None else gpg_ratio <= 1 / 1.3,
+        bit_identical=gpg.get("bit_identical"), card_gib=gpg.get("card_gib"),
+        kept_unstreamed=(gpg.get("levers_stats") or {}).get("kept_unstreamed"),
+        comfy_loaded_gib=None if gpg.get("comfy_loaded_bytes") is None else gb(gpg["comfy_loaded_bytes"]),
+        definition="the same DiT as a Q8_0 GGUF model loaded as ComfyUI-GGUF loads one (GGMLTensor weights, GGMLOps, "
+                   "GGUFModelPatcher; needs $COMFYUI_GGUF_PATH): seconds per sampling run through GroupPrefetch "
+                   "(auto budget, the packed Q8 bytes stream) / ComfyUI with ComfyUI-GGUF's per-layer casts, on a card "
+                   "of a quarter of the Q8 weights + 2.5 GiB; kept_unstreamed must be 0")
     dyn = results.get("sections", {}).get("dynamic", {})
     dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
     dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)

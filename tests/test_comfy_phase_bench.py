@@ -91,6 +91,14 @@ def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
     assert gp["bit_identical"] is True and gp["bit_identical_b"] is True
     assert gp["levers_stats"]["streamed_groups"] >= 1 and gp["levers_stats"]["streamed_bytes_per_forward"] > 0
     assert "GroupPrefetch" in gp["levers_report"] and gp["ratio_time"] > 0
+    # the same DiT as ComfyUI-GGUF loads a Q8_0 file of it, when a ComfyUI-GGUF checkout is given
+    gg = gp["gguf"]
+    if os.environ.get("COMFYUI_GGUF_PATH"):
+        assert gg["status"] == "ok", (gg.get("reason"), gg.get("traceback"))
+        assert gg["bit_identical"] is True and gg["levers_stats"]["kept_unstreamed"] == 0
+        assert gg["levers_last_forward"]["h2d_bytes"] == gg["levers_stats"]["streamed_bytes_per_forward"] > 0
+    else:
+        assert gg["status"] == "skipped" and "COMFYUI_GGUF_PATH" in gg["reason"]
 
 
 class _FakeCuda:
