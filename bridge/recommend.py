@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from ..core.presets import ModelSpec, PRESETS, get_preset
-from ..core.probe import Machine, probe
+from ..core.probe import GiB, Machine, probe
+from ..core.residency import subclass
 from ..core.residency.blocks import find_blocks
 from .comfy_mode import comfy_device_facts, comfy_mode
 from .inputs import require_clip, require_model, require_vae
@@ -19,17 +21,71 @@ _FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("w
              ("unet", "sdxl", "sdxl")]
 
 
+_FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, n)}
+
+
+def _format(name: str, t: torch.Tensor) -> tuple[str, str] | None:
+    """(what a quantized weight holds, the Precision it is planned as); None for a plain floating-point tensor.
+    GGUF's GGMLTensor names its type; wrapper subclasses (ComfyUI's QuantizedTensor, torchao) hold fp8 / int8 /
+    packed 4-bit codes; Levers' own layers hold them as plain ``weight`` tensors."""
+    qtype = getattr(t, "tensor_type", None)
+    if qtype is not None:
+        kind = getattr(qtype, "name", str(qtype))
+        if kind in ("F32", "F16", "BF16"):
+            return None
+        return f"gguf {kind}", ("int8" if kind.startswith("Q8") else "nf4")
+    inner = None if subclass.is_plain(t) or subclass.is_storage(t) else subclass.leaves(t)
+    dtypes = {x.dtype for _, x in inner} if inner else {t.dtype}
+    where = f" ({type(t).__name__})" if inner else ""
+    if dtypes & _FP8:
+        return f"fp8{where}", "fp8_e4m3fn"
+    if name.rpartition(".")[2] == "weight" and torch.int8 in dtypes:
+        return f"int8{where}", "int8"
+    if name.rpartition(".")[2] == "weight" and torch.uint8 in dtypes:
+        return f"4-bit{where}", "nf4"
+    return None
+
+
 def _param_stats(module: torch.nn.Module) -> tuple[int, int, dict]:
+    """(parameters, bytes, bytes per storage label). Parameters are logical (a GGUF or fp8 weight counts the
+    weights it encodes), bytes are what the tensors hold (a quantized weight's codes and scales)."""
     seen, params, nbytes, by_dtype = set(), 0, 0, {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" else id(t)
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" and subclass.is_plain(t) else id(t)
         if key in seen:
             continue
         seen.add(key)
-        params += t.numel()
-        nbytes += t.numel() * t.element_size()
-        by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + t.numel() * t.element_size()
+        n = subclass.nbytes(t)
+        params += math.prod(t.shape)
+        nbytes += n
+        fmt = _format(name, t)
+        label = fmt[0] if fmt else str(t.dtype).replace("torch.", "")
+        by_dtype[label] = by_dtype.get(label, 0) + n
     return params, nbytes, by_dtype
+
+
+def _stored(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> dict:
+    """``dit_stored*`` fields for a diffusion model that is already quantized (most of its blocks' bytes are
+    quantized weights: quantizers keep embedders and final layers in 16-bit), else {}."""
+    in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
+    seen, total, block_total, by_fmt = set(), 0, 0, {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        n = subclass.nbytes(t)
+        total += n
+        if id(t) not in in_blocks and blocks:
+            continue
+        block_total += n
+        fmt = _format(name, t)
+        if fmt is not None:
+            by_fmt[fmt] = by_fmt.get(fmt, 0) + n
+    if not by_fmt or 2 * sum(by_fmt.values()) < block_total:
+        return {}
+    (label, precision), _ = max(by_fmt.items(), key=lambda kv: kv[1])
+    return {"dit_stored_bytes": int(total), "dit_stored": label, "dit_stored_precision": precision}
 
 
 def _blocks(dm: torch.nn.Module) -> list[torch.nn.Module]:
@@ -89,6 +145,11 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple
                    modulation_params=spec.modulation_params * scale, hidden=_hidden(dm),
                    n_blocks=max(1, len(blocks)), block_fraction=(block_params / params) if params and blocks else 0.9,
                    dit_dtype_bytes=max(1, round(nbytes / max(1, params))), measured=True)
+        stored = _stored(dm, blocks)
+        upd.update(stored)
+        if stored:
+            notes.append(f"diffusion model already quantized: {stored['dit_stored']}, {nbytes / GiB:.2f} GiB as "
+                         "stored (planned that way)")
         if family:
             upd["family"] = family
         upd["name"] = f"{spec.name} (measured: {params / 1e9:.2f} B params, " + \

@@ -55,10 +55,18 @@ def bytes_per_param(precision: Precision) -> float:
             Precision.INT8: 1, Precision.NF4: 0.5 + 4 / 64}[precision]   # nf4: 4 bits + fp32 absmax per 64
 
 
+def stored_precision(spec: ModelSpec) -> Precision | None:
+    """The format a measured, already-quantized diffusion model is planned as (None: it can be cast or quantized)."""
+    return Precision.parse(spec.dit_stored_precision, "dit_stored_precision") if spec.dit_stored_bytes else None
+
+
 def dit_weight_bytes(spec: ModelSpec, precision: Precision, quantize_modulation: bool = False) -> int:
     """Diffusion-model bytes at ``precision``: the census keeps embedders, norms and the final layer in
     16-bit, and the adaLN/modulation linears too unless ``quantize_modulation``; fp8/int8 carry one
-    fp32 scale per output row, nf4 one fp32 absmax per 64 weights."""
+    fp32 scale per output row, nf4 one fp32 absmax per 64 weights. A model that is already quantized
+    weighs what it holds."""
+    if spec.dit_stored_bytes:
+        return int(spec.dit_stored_bytes)
     if not precision.is_quantized:
         return int(spec.dit_params * bytes_per_param(precision))
     kept = spec.dit_kept_params + (0 if quantize_modulation else spec.modulation_params)
@@ -218,6 +226,11 @@ def fp8_matmuls(machine: Machine) -> bool:
 
 def _dit_options(spec, wl, machine, budget, act, notes) -> list[_DitOption]:
     fp8c = fp8_matmuls(machine)
+    stored = stored_precision(spec)
+    if stored is not None:
+        notes.append(f"the diffusion model is already quantized ({spec.dit_stored}, {spec.dit_stored_bytes / GiB:.2f} "
+                     f"GiB): planned as it is stored (listed as {stored}); QuantizeDiT leaves it unchanged")
+        return _dit_options_for(spec, wl, machine, budget, act, stored, False, fp8c)
     opts = []
     for p in available_precisions(machine, notes):
         for qmod in ((False, True) if p.is_quantized else (False,)):
@@ -542,8 +555,10 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     avail = machine.ram_available_bytes
     extra_need = act + vae_decode_bytes(spec, wl)
     chosen = None
+    stored = stored_precision(spec)
     for p in (Precision.FP32, Precision.BF16, Precision.FP8_E4M3FN):
-        dit_b = int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN else dit_weight_bytes(spec, p)
+        dit_b = (int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN and stored is None
+                 else dit_weight_bytes(spec, p))
         te_b = int(spec.te_params * bytes_per_param(p))
         need = dit_b + te_b + int(spec.vae_params * 4) + extra_need
         chosen = (p, dit_b, te_b, need)
@@ -552,11 +567,14 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     p, dit_b, te_b, need = chosen
     fits = avail is None or need <= avail
     notes.append("no GPU: every component computes on the CPU (ComfyUI's CPU path); nothing is pinned or moved")
+    if stored is not None:
+        notes.append(f"the diffusion model is already quantized ({spec.dit_stored}): kept as stored, dequantized per "
+                     "layer while computing")
     if p is not Precision.FP32:
         notes.append(f"weights stored as {p} to fit host RAM, cast to fp32 per layer while computing")
     if avail is not None and not fits:
         notes.append(f"host RAM {avail / GiB:.1f} GiB < {need / GiB:.1f} GiB needed even with {p} weights")
-    comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, "cpu", Residency.CPU, False, dit_b, 0),
+    comps = (ComponentPlan(Component.DIFFUSION_MODEL, stored or p, "cpu", Residency.CPU, False, dit_b, 0),
              ComponentPlan(Component.TEXT_ENCODER, p, "cpu", Residency.CPU, False, te_b, 0),
              ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0))
     step = compute_seconds_per_step(spec, wl, machine, Precision.FP32, False)
@@ -576,7 +594,7 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> 
         p, residency, qmod = smallest.precision, smallest.residency, smallest.quantize_modulation
         wb, resident, streaming = smallest.weight_bytes, smallest.resident_bytes, smallest.streaming
     else:           # not even one streamed group fits: the smallest format this machine can use, loaded for its phase
-        p, residency, qmod = available_precisions(machine, [])[-1], Residency.PHASE, False
+        p, residency, qmod = stored_precision(spec) or available_precisions(machine, [])[-1], Residency.PHASE, False
         wb = resident = dit_weight_bytes(spec, p)
         streaming = None
     card = f"{gpu.total_bytes / GiB:.0f} GiB" if gpu.total_bytes >= 0.5 * GiB else f"{gpu.total_bytes / 2 ** 20:.0f} MiB"

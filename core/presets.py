@@ -49,6 +49,11 @@ class ModelSpec:
     guidance_distilled: bool = False  # one DiT pass per step (no CFG batch)
     linear_fraction: float = 1.0     # share of token-wise FLOPs in linear layers (fp8 matmuls speed these up)
     dit_dtype_bytes: int = 2         # how the weights are stored (measured models may be fp8 / fp32 already)
+    # a measured diffusion model that is already quantized (an fp8 checkpoint, a GGUF file, an earlier QuantizeDiT):
+    # its real bytes, what it holds ("gguf Q4_K", "fp8 (QuantizedTensor)") and the Precision it is planned as
+    dit_stored_bytes: int = 0
+    dit_stored: str = ""
+    dit_stored_precision: str = ""
     te_dtype_bytes: int = 2
     vae_dtype_bytes: int = 2
     measured: bool = False

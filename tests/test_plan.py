@@ -321,3 +321,27 @@ def test_video_frame_counts_off_the_vae_grid_get_a_note():
     assert any("8n+1 frames" in n and "gives 97 (use 97 or 105)" in n for n in ltx.notes)
     single = plan(get_preset("wan2.1-1.3b"), Workload(832, 480, 1, 30), machine(16))
     assert any("frames=1: planned for a single frame" in n and "81 frames" in n for n in single.notes)
+
+
+@pytest.mark.parametrize("stored,label,gib,vram", [("nf4", "gguf Q4_K", 6.8, 12), ("fp8_e4m3fn", "fp8 (QuantizedTensor)",
+                                                                                    11.1, 16),
+                                                   ("int8", "gguf Q8_0", 12.6, 8)])
+def test_an_already_quantized_model_is_planned_at_the_bytes_it_holds(stored, label, gib, vram):
+    """A measured FLUX that is already quantized (GGUF, an fp8 checkpoint) cannot be cast back to bf16 or
+    quantized again: every option is the stored one, at its real bytes."""
+    import dataclasses
+
+    spec = dataclasses.replace(get_preset("flux1-dev"), dit_stored_bytes=int(gib * GiB), dit_stored=label,
+                               dit_stored_precision=stored, measured=True)
+    p = plan(spec, Workload(1024, 1024, 1, 28, 1), machine(vram))
+    dm = p.diffusion_model
+    assert dm.precision is Precision.parse(stored) and dm.weight_bytes == int(gib * GiB)
+    assert any("already quantized" in n and label in n for n in p.notes), p.notes
+    assert p.fits
+    if gib + 2 < vram:
+        assert dm.residency is not Residency.STREAMED       # it fits as stored: nothing to stream
+    else:
+        assert dm.residency is Residency.STREAMED and dm.resident_bytes < dm.weight_bytes
+    cpu = plan(spec, Workload(1024, 1024, 1, 28, 1), synthetic_machine(vram_gb=0, ram_gb=64))
+    assert cpu.diffusion_model.precision is Precision.parse(stored)
+    assert cpu.diffusion_model.weight_bytes == int(gib * GiB)

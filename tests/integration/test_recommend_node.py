@@ -50,3 +50,32 @@ def test_recommend_reports_comfyui_mode(comfy_env):
     facts = comfy_mode()
     assert facts["cpu"] is True
     assert facts["dynamic_vram"] is False  # a CPU load device never uses the dynamic patcher
+
+
+@pytest.mark.parametrize("kind", ["fp8", "gguf"])
+@pytest.mark.parametrize("vram_gb", [0.0, 1.0], ids=["comfyui_device", "1GB_card"])
+def test_an_already_quantized_model_is_planned_as_it_is_stored(comfy_env, tiny_wan, request, kind, vram_gb):
+    """An fp8 checkpoint (ComfyUI's QuantizedTensor, here from QuantizeDiT) or a GGUF file (ComfyUI-GGUF's packed
+    GGMLTensor) weighs what it holds: the plan must not size it as bf16 (QuantizedTensor reports its logical dtype,
+    2x the bytes) nor count a GGUF's packed bytes as parameters."""
+    from comfyui_levers.bridge.recommend import measure
+    from comfyui_levers.core.residency import subclass
+
+    plain = tiny_wan.load_model()
+    params = sum(p.numel() for p in plain.model.diffusion_model.parameters())
+    if kind == "fp8":
+        quant = next(c for c in comfy_env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+        model = quant.execute(plain, format="fp8_e4m3fn", quality_check=False).args[0]
+    else:
+        model = request.getfixturevalue("gguf").load_model()
+    dm = model.model.diffusion_model
+    real = sum(subclass.nbytes(t) for t in {id(t): t for t in [*dm.parameters(), *dm.buffers()]}.values())
+    spec, notes = measure(model=model)
+    assert spec.dit_params == params                      # the weights it encodes, not its bytes
+    assert spec.dit_stored_bytes == real
+    assert spec.dit_stored.startswith("fp8" if kind == "fp8" else "gguf Q"), spec.dit_stored
+    plan, report = _node(comfy_env).execute("auto", 64, 64, 5, 2, 1, "balanced", vram_gb, 0.0, model=model).result
+    dmp = plan.diffusion_model
+    assert dmp.weight_bytes == real, (dmp.weight_bytes, real)
+    assert dmp.precision.value == ("fp8_e4m3fn" if kind == "fp8" else spec.dit_stored_precision)
+    assert "already quantized" in report, report
