@@ -454,6 +454,8 @@ class _Session:
                 f"most {_gb(self.split.cap)} ({_gb(self.streamed_bytes)} in all)")
         head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; {kept}; "
                 f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
+        if dynamic_vram_active():
+            head += "\n" + legacy_under_dynamic_line(self.patcher)
         if self.unloaded_stale:
             head += f"\n{self.unloaded_stale}."
         if self.skip_reason:
@@ -483,7 +485,7 @@ class PrefetchState:
     def outer_sample(self, executor, *args, **kwargs):
         guider = executor.class_obj
         patcher = guider.model_patcher
-        if patcher_is_dynamic(patcher) or dynamic_vram_active():
+        if patcher_is_dynamic(patcher):
             self.last_report = stand_aside_line()
             return executor(*args, **kwargs)
         if getattr(patcher, "hook_patches", None):
@@ -541,6 +543,12 @@ def stand_aside_line() -> str:
             "--disable-dynamic-vram to use GroupPrefetch instead.")
 
 
+def legacy_under_dynamic_line(patcher) -> str:
+    return (f"ComfyUI DynamicVRAM is active, but this model's patcher ({type(patcher).__name__}) is not dynamic "
+            "(ComfyUI-GGUF's loader and TorchCompileModel give such patchers), so ComfyUI loads it through its "
+            "legacy lowvram path: GroupPrefetch streams it.")
+
+
 def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None,
                           node_id: str | None = None):
     """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling. ``node_id``:
@@ -551,7 +559,7 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     clone = model.clone()
     diffusion = clone.model.diffusion_model
     layout = find_blocks(diffusion)
-    if patcher_is_dynamic(clone) or dynamic_vram_active():
+    if patcher_is_dynamic(clone):
         return clone, stand_aside_line()
     state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
@@ -570,7 +578,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
                 "weights stream as stored."] if config.packed and not packing_supported(clone.load_device)[0] else []),
              "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "
              "the first step's measured compute); each run's achieved numbers appear on this node after it "
-             "(and in the log line 'levers: GroupPrefetch ...')."]
+             "(and in the log line 'levers: GroupPrefetch ...').",
+             *([legacy_under_dynamic_line(clone)] if dynamic_vram_active() else [])]
     return clone, "\n".join(lines)
 
 

@@ -479,3 +479,25 @@ def test_each_run_shows_its_achieved_numbers_on_the_node(comfy_env, tiny_wan, mo
     tiny_wan.sample(clone)
     assert [n for n, _ in sent] == ["9", "9"]                      # once per sampling run
     assert all(t.startswith("GroupPrefetch:") and "streamed" in t for _, t in sent)
+
+
+def test_under_dynamic_vram_it_streams_a_patcher_comfyui_loads_the_legacy_way(comfy_env, tiny_wan, monkeypatch):
+    """ComfyUI 0.15+ with DynamicVRAM still loads non-dynamic patchers (ComfyUI-GGUF's, TorchCompileModel's
+    ``clone(disable_dynamic=True)``) through its legacy lowvram path: the node streams those, and stands aside only
+    for a dynamic patcher, which ComfyUI streams itself. No GPU here: DynamicVRAM's switch is what is stubbed."""
+    import comfyui_levers.bridge.prefetch as bp
+
+    monkeypatch.setattr(bp, "dynamic_vram_active", lambda: True)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone, report, state = _prefetch(comfy_env, model, resident_groups=0)
+    assert "patcher (ModelPatcher) is not dynamic" in report and "stands aside" not in report, report
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    stats = state.last_stats
+    assert stats is not None and stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"] > 0
+    assert "is not dynamic" in state.last_report
+    monkeypatch.setattr(bp, "patcher_is_dynamic", lambda p: True)        # a ModelPatcherDynamic
+    clone, report, state = _prefetch(comfy_env, tiny_wan.load_model(), resident_groups=0)
+    assert "stands aside" in report
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state is None or state.last_stats is None
