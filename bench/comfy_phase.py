@@ -875,23 +875,9 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
 
     with emulated_card(mm, dev, card):
         try:
-            _unload_all(env, dev)
             clock.need(5, "GroupPrefetch in ComfyUI: ComfyUI lowvram warm-up")
-            sample(model, shape_a)
-            ref_a, out["comfy_s"], out["comfy_peak_bytes"] = sample(model, shape_a)
-            _unload_all(env, dev)
-            clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch in ComfyUI: GroupPrefetch")
-            clone, report = _levers_node("LeversGroupPrefetch").execute(model, vram_budget_gb=node_budget_gb).args
-            from comfyui_levers.bridge.prefetch import prefetch_state
-            state = prefetch_state(clone)
-            sample(clone, shape_a)
-            got_a, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape_a)
-            out["bit_identical"] = same(got_a, ref_a)
-            out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
-            out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
-            out["levers_report"] = state.last_report
-            _log(f"GroupPrefetch in ComfyUI: {out['levers_s']:.2f}s vs ComfyUI {out['comfy_s']:.2f}s per sampling "
-                 f"(ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
+            clone, state = _versus_comfy(env, dev, clock, model, node_budget_gb, shape_a, sample, same, out,
+                                         "GroupPrefetch in ComfyUI")
             clock.need(3 * out["levers_s"] + 5, "GroupPrefetch in ComfyUI: the longer video")
             got_b, out["levers_b_s"], out["levers_b_peak_bytes"] = sample(clone, shape_b)   # same clone, no unload
             out["levers_b_report"] = state.last_report
@@ -977,31 +963,39 @@ def _prefetch_gguf_in_comfy(env, dev, clock, model, shape, sample, same) -> dict
         out.update(q8_dit_gib=_gib(q8), card_gib=_gib(card), node_vram_budget_gb=node_budget_gb or "auto")
         with emulated_card(env.mm, dev, card):
             try:
-                _unload_all(env, dev)
-                sample(gmodel, shape)
-                ref, out["comfy_s"], out["comfy_peak_bytes"] = sample(gmodel, shape)
-                out["comfy_loaded_bytes"] = int(gmodel.loaded_size())
-                _unload_all(env, dev)
-                clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch on a GGUF model: GroupPrefetch")
-                clone, _ = _levers_node("LeversGroupPrefetch").execute(gmodel, vram_budget_gb=node_budget_gb).args
-                from comfyui_levers.bridge.prefetch import prefetch_state
-                state = prefetch_state(clone)
-                sample(clone, shape)
-                got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
-                out["bit_identical"] = same(got, ref)
-                out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
-                out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items()
-                                       if not isinstance(v, (dict, list))}
-                out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
-                out["levers_report"] = state.last_report
+                _versus_comfy(env, dev, clock, gmodel, node_budget_gb, shape, sample, same, out,
+                              "GroupPrefetch on a GGUF Q8_0 model")
                 out["status"] = "ok"
-                _log(f"GroupPrefetch on a GGUF Q8_0 model: {out['levers_s']:.2f}s vs ComfyUI(-GGUF) "
-                     f"{out['comfy_s']:.2f}s (ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
             finally:
                 _unload_all(env, dev)
     except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
         _record_failure(out, exc, "GroupPrefetch on a GGUF model")
     return out
+
+
+def _versus_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same, out: dict[str, Any], label: str):
+    """ComfyUI samples ``model`` (warm-up, then timed), then the GroupPrefetch node's clone of it does the same;
+    times, peaks, bit-equality and the engine's numbers go into ``out``. Returns (clone, its prefetch state)."""
+    from comfyui_levers.bridge.prefetch import prefetch_state
+
+    _unload_all(env, dev)
+    sample(model, shape)
+    ref, out["comfy_s"], out["comfy_peak_bytes"] = sample(model, shape)
+    out["comfy_loaded_bytes"] = int(model.loaded_size())
+    _unload_all(env, dev)
+    clock.need(2 * out["comfy_s"] + 5, f"{label}: GroupPrefetch")
+    clone, _ = _levers_node("LeversGroupPrefetch").execute(model, vram_budget_gb=node_budget_gb).args
+    state = prefetch_state(clone)
+    sample(clone, shape)
+    got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
+    out["bit_identical"] = same(got, ref)
+    out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
+    out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
+    out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
+    out["levers_report"] = state.last_report
+    _log(f"{label}: {out['levers_s']:.2f}s vs ComfyUI {out['comfy_s']:.2f}s per sampling (ratio "
+         f"{out['ratio_time']}), bit-identical {out['bit_identical']}")
+    return clone, state
 
 
 def _record_failure(out: dict[str, Any], exc: Exception, label: str) -> None:
@@ -1023,27 +1017,12 @@ def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample
                                                                     quality_check=False).args[:2]
         out["layers"] = next((ln.split("layers:", 1)[1].strip() for ln in qreport.splitlines() if "layers:" in ln),
                              "Levers QuantLinear")
-        _unload_all(env, dev)
-        sample(qmodel, shape)
-        ref, out["comfy_s"], out["comfy_peak_bytes"] = sample(qmodel, shape)
-        _unload_all(env, dev)
-        clock.need(2 * out["comfy_s"] + 5, "GroupPrefetch in ComfyUI, fp8: GroupPrefetch")
         if node_budget_gb:          # the CPU's explicit budget: 75 % of the fp8 DiT, so that it streams
             from comfyui_levers.core.residency.blocks import module_bytes
             node_budget_gb = round(0.75 * module_bytes(qmodel.model.diffusion_model) / GIB, 6)
-        clone, _ = _levers_node("LeversGroupPrefetch").execute(qmodel, vram_budget_gb=node_budget_gb).args
-        from comfyui_levers.bridge.prefetch import prefetch_state
-        state = prefetch_state(clone)
-        sample(clone, shape)
-        got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
-        out["bit_identical"] = same(got, ref)
-        out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
-        out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
-        out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
-        out["levers_report"] = state.last_report
+        _versus_comfy(env, dev, clock, qmodel, node_budget_gb, shape, sample, same, out,
+                      f"GroupPrefetch in ComfyUI, fp8 ({out['layers']})")
         out["status"] = "ok"
-        _log(f"GroupPrefetch in ComfyUI, fp8 ({out['layers']}): {out['levers_s']:.2f}s vs ComfyUI "
-             f"{out['comfy_s']:.2f}s (ratio {out['ratio_time']}), bit-identical {out['bit_identical']}")
     except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
         _record_failure(out, exc, "GroupPrefetch in ComfyUI, fp8")
     finally:

@@ -20,6 +20,15 @@ def _packed(m):
     return {n: p for n, p in m.named_parameters() if isinstance(p, PackedTensor)}
 
 
+def _packed_wan(n):
+    """A toy Wan whose block linears hold PackedTensor weights: (model, inputs, output, its packed weights)."""
+    m = pack_linears(make_wan(n=n))
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    return m, (x, t), ref, _packed(m)
+
+
 def test_storage_subclasses_are_told_from_plain_wrapper_and_bitsandbytes_tensors():
     w = PackedTensor.pack(torch.randn(4, 8))
     assert subclass.is_storage(w) and subclass.is_storage(nn.Parameter(w, requires_grad=False))
@@ -42,11 +51,7 @@ def test_storage_subclasses_are_told_from_plain_wrapper_and_bitsandbytes_tensors
 
 
 def test_group_prefetch_streams_packed_bytes_from_the_slots_bit_identical():
-    m = pack_linears(make_wan(n=6))
-    x, t = wan_inputs()
-    with torch.no_grad():
-        ref = m(x, t)
-    own = _packed(m)
+    m, (x, t), ref, own = _packed_wan(6)
     tr = RecordingTransport(CpuTransport())
     h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0)
     try:
@@ -72,11 +77,7 @@ def test_group_prefetch_streams_packed_bytes_from_the_slots_bit_identical():
 
 
 def test_phase_offload_swaps_packed_bytes_and_keeps_the_objects():
-    m = pack_linears(make_wan(n=3))
-    x, t = wan_inputs()
-    with torch.no_grad():
-        ref = m(x, t)
-    own = _packed(m)
+    m, (x, t), ref, own = _packed_wan(3)
     home = {n: p.data_ptr() for n, p in own.items()}
     tr = RecordingTransport(CpuTransport())
     table = MasterTable(m, "dit", tr)
