@@ -18,7 +18,8 @@ How it cooperates (legacy ModelPatcher path, ComfyUI 0.3.x-0.8 and later without
   (``cast_bias_weight`` -> ``cast_to``) finds them on the right device and returns them unchanged.
 - LoRA patches on streamed weights are applied by ComfyUI's own ``patch_weight_to_device`` on the
   offload device (backed up and undone by ComfyUI as usual); the patched bytes are what streams.
-- Under DynamicVRAM, ComfyUI streams weights itself; this node stands aside and says so.
+- Under DynamicVRAM, ComfyUI streams dynamic patchers itself: for those this node stands aside and says so; a
+  non-dynamic patcher (ComfyUI-GGUF, TorchCompileModel) is loaded the legacy way even then, and streams.
 """
 from __future__ import annotations
 
@@ -262,6 +263,12 @@ class _Session:
             if full_load or not lowvram_model_memory:
                 lowvram_model_memory = 1e32
             self._reset_streamed_modules()
+            if hasattr(p, "mmap_released"):
+                # ComfyUI-GGUF's first load moves every module left on the offload device (here: every streamed
+                # block) to the GPU and back, to detach it from the file's memory map. The streamed blocks are
+                # detached by the engine's own copy into its host arena, so that round trip (and the re-staging
+                # it forces on every new clone) is skipped; the modules ComfyUI loads are copied as usual.
+                p.mmap_released = True
             # by keyword: patchers that override load with (*args, force_patch_weights=..., **kwargs), such as
             # ComfyUI-GGUF's, pass force_patch_weights on by keyword themselves
             out = orig_load(p, device_to, lowvram_model_memory=lowvram_model_memory,
@@ -543,6 +550,11 @@ def stand_aside_line() -> str:
             "--disable-dynamic-vram to use GroupPrefetch instead.")
 
 
+DYNAMIC_AT_ATTACH_LINE = ("This model's patcher is dynamic (ComfyUI DynamicVRAM streams it itself): GroupPrefetch "
+                          "stands aside when it samples. A later node that gives ComfyUI a non-dynamic copy "
+                          "(TorchCompileModel) makes it stream that copy.")
+
+
 def legacy_under_dynamic_line(patcher) -> str:
     return (f"ComfyUI DynamicVRAM is active, but this model's patcher ({type(patcher).__name__}) is not dynamic "
             "(ComfyUI-GGUF's loader and TorchCompileModel give such patchers), so ComfyUI loads it through its "
@@ -559,8 +571,6 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     clone = model.clone()
     diffusion = clone.model.diffusion_model
     layout = find_blocks(diffusion)
-    if patcher_is_dynamic(clone):
-        return clone, stand_aside_line()
     state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached
@@ -579,7 +589,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
              "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "
              "the first step's measured compute); each run's achieved numbers appear on this node after it "
              "(and in the log line 'levers: GroupPrefetch ...').",
-             *([legacy_under_dynamic_line(clone)] if dynamic_vram_active() else [])]
+             *([DYNAMIC_AT_ATTACH_LINE] if patcher_is_dynamic(clone) else
+               [legacy_under_dynamic_line(clone)] if dynamic_vram_active() else [])]
     return clone, "\n".join(lines)
 
 

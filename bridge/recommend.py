@@ -23,66 +23,89 @@ _FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("w
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         if hasattr(torch, n)}
+_PRECISION_LABEL = {"fp8_e4m3fn": "fp8", "int8": "int8", "nf4": "nf4"}
 
 
 def _format(name: str, t: torch.Tensor) -> tuple[str, str] | None:
     """(what a quantized weight holds, the Precision it is planned as); None for a plain floating-point tensor.
-    GGUF's GGMLTensor names its type; wrapper subclasses (ComfyUI's QuantizedTensor, torchao) hold fp8 / int8 /
-    packed 4-bit codes; Levers' own layers hold them as plain ``weight`` tensors."""
+    GGUF's GGMLTensor names its type; a wrapper subclass (ComfyUI's QuantizedTensor, torchao) is told by its bytes
+    per weight (under 0.8: a 4-bit layout, whatever dtype its scales have), then by its codes' dtype."""
     qtype = getattr(t, "tensor_type", None)
     if qtype is not None:
         kind = getattr(qtype, "name", str(qtype))
         if kind in ("F32", "F16", "BF16"):
             return None
         return f"gguf {kind}", ("int8" if kind.startswith("Q8") else "nf4")
-    inner = None if subclass.is_plain(t) or subclass.is_storage(t) else subclass.leaves(t)
-    dtypes = {x.dtype for _, x in inner} if inner else {t.dtype}
-    where = f" ({type(t).__name__})" if inner else ""
+    if subclass.is_plain(t) or subclass.is_storage(t):
+        if t.dtype in _FP8:
+            return "fp8", "fp8_e4m3fn"
+        return None
+    inner = subclass.leaves(t)
+    if not inner:
+        return None
+    where = f" ({type(t).__name__})"
+    per_weight = subclass.nbytes(t) / max(1, math.prod(t.shape))
+    if per_weight < 0.8:
+        return f"4-bit{where}", "nf4"
+    dtypes = {x.dtype for _, x in inner}
     if dtypes & _FP8:
         return f"fp8{where}", "fp8_e4m3fn"
-    if name.rpartition(".")[2] == "weight" and torch.int8 in dtypes:
+    if torch.int8 in dtypes:
         return f"int8{where}", "int8"
-    if name.rpartition(".")[2] == "weight" and torch.uint8 in dtypes:
-        return f"4-bit{where}", "nf4"
     return None
 
 
+def _tensors(module: torch.nn.Module):
+    """Each tensor of ``module`` once: (tensor, weights it encodes, (storage label, Precision) or None).
+
+    Levers' own quantized layers (QuantizeDiT, Load Quantized DiT) hold plain code and scale tensors: their
+    ``weight`` encodes out x in weights whatever its packed shape, their scales none. Other tensors encode their
+    logical shape (a GGUF or fp8 weight counts the weights, not its bytes)."""
+    seen: set[int] = set()
+    for m in module.modules():
+        levers = getattr(m, "levers_quantized", False)
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            if levers and attr in ("weight", "weight_scale"):
+                fmt = str(getattr(m, "quant_format", "int8"))
+                logical = m.out_features * m.in_features if attr == "weight" else 0
+                yield t, logical, (f"{_PRECISION_LABEL.get(fmt, fmt)} (Levers)", fmt)
+            else:
+                yield t, math.prod(t.shape), _format(attr, t)
+
+
 def _param_stats(module: torch.nn.Module) -> tuple[int, int, dict]:
-    """(parameters, bytes, bytes per storage label). Parameters are logical (a GGUF or fp8 weight counts the
-    weights it encodes), bytes are what the tensors hold (a quantized weight's codes and scales)."""
-    seen, params, nbytes, by_dtype = set(), 0, 0, {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        key = (t.data_ptr(), t.numel()) if t.device.type != "meta" and subclass.is_plain(t) else id(t)
-        if key in seen:
-            continue
-        seen.add(key)
+    """(weights encoded, bytes held, bytes per storage label)."""
+    params, nbytes, by_label = 0, 0, {}
+    for t, logical, fmt in _tensors(module):
         n = subclass.nbytes(t)
-        params += math.prod(t.shape)
+        params += logical
         nbytes += n
-        fmt = _format(name, t)
         label = fmt[0] if fmt else str(t.dtype).replace("torch.", "")
-        by_dtype[label] = by_dtype.get(label, 0) + n
-    return params, nbytes, by_dtype
+        by_label[label] = by_label.get(label, 0) + n
+    return params, nbytes, by_label
 
 
 def _stored(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> dict:
-    """``dit_stored*`` fields for a diffusion model that is already quantized (most of its blocks' bytes are
-    quantized weights: quantizers keep embedders and final layers in 16-bit), else {}."""
+    """``dit_stored*`` fields for a diffusion model that is already quantized, else {}: most of the weights of its
+    blocks' matrices are quantized (counted in weights, not bytes: QuantizeDiT keeps the modulation linears 16-bit
+    by default, which in bytes can outweigh 4-bit block linears)."""
     in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
-    seen, total, block_total, by_fmt = set(), 0, 0, {}
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
+    total, matrix, quantized, by_fmt = 0, 0, 0, {}
+    for t, logical, fmt in _tensors(module):
         n = subclass.nbytes(t)
         total += n
-        if id(t) not in in_blocks and blocks:
+        if blocks and id(t) not in in_blocks:
             continue
-        block_total += n
-        fmt = _format(name, t)
         if fmt is not None:
             by_fmt[fmt] = by_fmt.get(fmt, 0) + n
-    if not by_fmt or 2 * sum(by_fmt.values()) < block_total:
+            quantized += logical
+            matrix += logical
+        elif len(t.shape) == 2 and t.dtype.is_floating_point:
+            matrix += logical
+    if not by_fmt or 2 * quantized < matrix:
         return {}
     (label, precision), _ = max(by_fmt.items(), key=lambda kv: kv[1])
     return {"dit_stored_bytes": int(total), "dit_stored": label, "dit_stored_precision": precision}
@@ -106,12 +129,16 @@ def _family(model) -> tuple[str, str]:
 
 
 def _hidden(dm: torch.nn.Module) -> int:
-    """Most common Linear in_features inside blocks: the residual width."""
+    """Most common Linear in_features inside blocks: the residual width (a quantized layer's packed weight has
+    another shape, so its ``in_features`` is read where it has one)."""
     counts: dict[int, int] = {}
     for m in dm.modules():
         w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 2:
-            counts[w.shape[1]] = counts.get(w.shape[1], 0) + 1
+        width = getattr(m, "in_features", None)
+        if not isinstance(width, int):
+            width = w.shape[1] if isinstance(w, torch.Tensor) and len(w.shape) == 2 else None
+        if width is not None:
+            counts[width] = counts.get(width, 0) + 1
     return max(counts, key=counts.get) if counts else 1024
 
 

@@ -473,7 +473,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                                        - c.dit.step_seconds * n_streamed / streaming.n_blocks)
         extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds - c.dit.extra_seconds_per_gen) * ratio + dit_extra
     dit_notes = []
-    if c.dit.precision.is_quantized:
+    if c.dit.precision.is_quantized and stored_precision(spec) is None:     # QuantizeDiT's census, not a file's
         kept = spec.dit_kept_params + (0 if c.dit.quantize_modulation else spec.modulation_params)
         what = "embedders, norms and the final layer" + ("" if c.dit.quantize_modulation else ", and the adaLN/modulation linears")
         dit_notes.append(f"census keeps {kept / 1e9:.2f} B params in 16-bit ({what}); the block linears are "
@@ -501,8 +501,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if spec.experts > 1:
         dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
     if machine.comfyui.get("dynamic_vram"):
-        dit_notes.append("ComfyUI's DynamicVRAM already streams this model; GroupPrefetch stands aside (start "
-                         "ComfyUI with --disable-dynamic-vram to use it instead)")
+        dit_notes.append("ComfyUI's DynamicVRAM streams a dynamic model itself and GroupPrefetch stands aside for it "
+                         "(start ComfyUI with --disable-dynamic-vram to use it instead); a model ComfyUI loads the "
+                         "legacy way (ComfyUI-GGUF, TorchCompileModel, QuantizeDiT's output) GroupPrefetch streams")
     dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
                              pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
                              streaming=streaming, notes=tuple(dit_notes),

@@ -51,7 +51,7 @@ class LeversGroupPrefetch(io.ComfyNode):
             description="Keeps a prefix of the diffusion model's blocks in VRAM and streams the rest from pinned host "
                         "memory each step, copying group i+1 while group i computes. ComfyUI loads only the resident "
                         "part, so its memory manager sees the true VRAM use. Output is bit-identical to the "
-                        "unstreamed model. Stands aside under ComfyUI DynamicVRAM.",
+                        "unstreamed model. Stands aside for models ComfyUI DynamicVRAM streams itself.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to stream (the input is not modified; a clone "
                                                 "is returned)."),

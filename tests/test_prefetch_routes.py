@@ -2,6 +2,7 @@
 kind of forward's route, copies only the groups that run and prefetches across the skipped ones."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from comfyui_levers.core.residency.prefetch import CALIBRATION_FORWARD, PrefetchConfig, apply_group_prefetch
@@ -150,3 +151,30 @@ def test_the_route_key_of_a_comfyui_call_names_the_blocks_it_replaces():
     assert route_key(slg) != route_key({"patches_replace": {"dit": {("double_block", 2): skip}}})
     assert route_key({}) is None and route_key(None) is None and route_key({"patches_replace": {}}) is None
     assert route_key({"patches_replace": {"dit": [skip]}}) is None    # not a table of replaced blocks
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_group_loaded_on_demand_does_not_evict_the_groups_prefetched_for_what_follows(depth):
+    """Block 1 and 3 skipped for three forwards, then everything runs: group 1 loads on demand, and the group
+    already prefetched right after it keeps its slot (before, the on-demand load evicted it, and it was copied
+    twice). A group prefetched further ahead may still have to give way to the groups the full order now puts
+    before it (depth >= 2: slots hold only depth groups ahead), and is copied again when its turn comes."""
+    m = make_wan(n=8)
+    x, t = wan_inputs()
+    full = _ref(m, x, t, set())
+    h = _install(m, prefetch_depth=depth)
+    try:
+        with torch.no_grad():
+            m.skip = {1, 3}
+            for _ in range(3):
+                m(x, t)
+            m.skip = set()
+            start = len(h.transport.ops)
+            assert torch.equal(m(x, t), full)
+        assert h.last.misses == 1
+        copies = [op.tag for op in h.transport.ops[start:] if op.kind == "h2d"]
+        assert copies.count("group2") == 1, copies
+        if depth == 1:
+            assert len(copies) == len(set(copies)), copies        # no group copied twice in one forward
+    finally:
+        h.remove()

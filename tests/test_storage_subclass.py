@@ -46,6 +46,13 @@ def test_storage_subclasses_are_told_from_plain_wrapper_and_bitsandbytes_tensors
     q = torch.zeros(8, dtype=torch.uint8).as_subclass(WithState)
     q.quant_state = object()
     assert not subclass.is_storage(q)
+
+    class WithScale(torch.Tensor):               # a scale kept as an attribute would stay behind when the data moves
+        pass
+    s = torch.zeros(8, dtype=torch.int8).as_subclass(WithScale)
+    s.scale = torch.ones(())
+    assert not subclass.is_storage(s)
+    assert not subclass.is_storage(nn.parameter.UninitializedParameter())
     moved = subclass.like(w, torch.zeros(4, 32, dtype=torch.uint8))
     assert type(moved) is PackedTensor and moved.shape == (4, 8) and moved.patches == w.patches
 

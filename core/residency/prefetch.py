@@ -1426,10 +1426,6 @@ class PrefetchHandle:
 
     # schedule ------------------------------------------------------------------------------
     def _acquire(self, g: int) -> None:
-        slot = self._slot_of.get(g)
-        if slot is None:                       # not prefetched (first forward, or blocks ran out of order)
-            self._misses += 1
-            slot = self._load(g, protect=set())
         if g not in self._route:               # its key's last forward skipped it: prefetch in the full order
             self._route = self.stream_order
         order = self._route
@@ -1442,6 +1438,11 @@ class PrefetchHandle:
                 ahead.append(h)
                 if len(ahead) == self.plan.prefetch_depth:
                     break
+        slot = self._slot_of.get(g)
+        if slot is None:                       # not prefetched (first forward, a route that changed, out of order)
+            self._misses += 1
+            # the groups already prefetched for what comes next keep their slots (at most depth of depth + 1)
+            slot = self._load(g, protect=set(ahead))
         self._prefetch(ahead, protect={g})
         # why: compute must not read the slot before the copy that fills it has finished
         self.transport.wait(slot.event, tag=self.groups[g].tag)

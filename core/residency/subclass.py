@@ -40,10 +40,13 @@ def state_outside(t: torch.Tensor) -> bool:
 
 
 def is_storage(t: torch.Tensor) -> bool:
-    """A storage subclass (module docstring): its own storage, extra attributes, no dispatch or flatten protocol."""
+    """A storage subclass (module docstring): its own storage, extra attributes, no dispatch or flatten protocol,
+    and no tensor among its attributes (a scale kept there would stay behind when the data moves)."""
     cls = type(t)
     return (not is_plain(t) and not is_traceable_wrapper_subclass(t) and not hasattr(t, "__tensor_flatten__")
-            and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not state_outside(t))
+            and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not state_outside(t)
+            and not isinstance(t, nn.parameter.UninitializedTensorMixin)
+            and not any(isinstance(v, torch.Tensor) for v in getattr(t, "__dict__", {}).values()))
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

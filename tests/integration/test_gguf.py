@@ -137,3 +137,40 @@ def test_phase_offload_swaps_gguf_weights_and_survives_its_clones(comfy_env, tin
     loads = [r["h2d"] for r in recs if r["kind"] == "load"]
     unloads = [r for r in recs if r["kind"] == "unload"]
     assert len(loads) >= 2 and loads == [r["swapped"] for r in unloads] and all(r["d2h"] == 0 for r in unloads)
+
+
+def test_a_new_group_prefetch_clone_of_a_gguf_model_does_not_move_or_restage_the_streamed_blocks(comfy_env, tiny_wan,
+                                                                                                gguf):
+    """ComfyUI-GGUF's first load of a patcher moves every module left on the offload device to the load device and
+    back (to detach it from the file's memory map). Under GroupPrefetch those are the streamed blocks, which the
+    engine's own host copy already detaches: each new clone (any node upstream makes one) would otherwise move them
+    there and back and make the store re-stage every one. Load and offload devices differ here, as on a GPU."""
+    import comfyui_levers.bridge.prefetch as bp
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    base = gguf.load_model()
+    base.load_device = HOST
+    ref = tiny_wan.sample(gguf.load_model())["samples"]
+    comfy_env.mm.unload_all_models()
+    root = base.model.diffusion_model
+    blocks = {id(m) for _, b in find_blocks(root).blocks for m in b.modules()}
+    moved = []
+    orig_to = torch.nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        if id(self) in blocks:
+            moved.append(args)
+        return orig_to(self, *args, **kwargs)
+    restaged = []
+    for _ in range(3):
+        clone, _ = _result(_node(comfy_env, "LeversGroupPrefetch").execute(
+            base.clone(), blocks_per_group=1, prefetch_depth=1, resident_groups=0, vram_budget_gb=1.0))
+        torch.nn.Module.to = spy
+        try:
+            assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+        finally:
+            torch.nn.Module.to = orig_to
+        restaged.append(bp._STORES[root][1].restaged)
+        comfy_env.mm.unload_all_models()
+    assert not moved, moved
+    assert restaged[1] == restaged[2] == restaged[0], restaged

@@ -496,8 +496,20 @@ def test_under_dynamic_vram_it_streams_a_patcher_comfyui_loads_the_legacy_way(co
     stats = state.last_stats
     assert stats is not None and stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"] > 0
     assert "is not dynamic" in state.last_report
-    monkeypatch.setattr(bp, "patcher_is_dynamic", lambda p: True)        # a ModelPatcherDynamic
-    clone, report, state = _prefetch(comfy_env, tiny_wan.load_model(), resident_groups=0)
-    assert "stands aside" in report
+    # a dynamic patcher (what the loader gives under DynamicVRAM): the node stands aside when it samples...
+    import comfy.model_patcher as mp
+
+    monkeypatch.setattr(bp, "patcher_is_dynamic", lambda p: bool(getattr(p, "is_dynamic", lambda: False)()))
+    dynamic = tiny_wan.load_model()
+    dynamic.__class__ = type("ModelPatcherDynamic", (type(dynamic),), {"is_dynamic": lambda self: True})
+    clone, report, state = _prefetch(comfy_env, dynamic, resident_groups=0)
+    assert "patcher is dynamic" in report, report
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
-    assert state is None or state.last_stats is None
+    assert state.last_stats is None and "stands aside" in state.last_report
+    # ...but TorchCompileModel placed after it hands ComfyUI a non-dynamic copy (clone(disable_dynamic=True) gives a
+    # plain ModelPatcher), loaded the legacy way: that copy streams
+    compiled = clone.clone()
+    compiled.__class__ = mp.ModelPatcher
+    assert torch.equal(tiny_wan.sample(compiled)["samples"], ref)
+    stats = bp.prefetch_state(compiled).last_stats
+    assert stats is not None and stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"] > 0

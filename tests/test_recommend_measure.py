@@ -1,0 +1,116 @@
+"""How Recommend reads a connected diffusion model (bridge/recommend.py, no ComfyUI needed): weights it encodes,
+bytes it holds, and whether it is already quantized, for QuantizeDiT's own layers and for quantized wrapper tensors.
+The ComfyUI-side cases (an fp8 QuantizedTensor checkpoint, a GGUF file) are in tests/integration/test_recommend_node.py."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from comfyui_levers.bridge.recommend import _format, _hidden, _param_stats, _stored
+from comfyui_levers.core.quant.linear import quantize_module
+from comfyui_levers.core.quant.registry import QuantConfig
+from comfyui_levers.core.residency.blocks import find_blocks
+
+D = 256
+
+
+class _Mod(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(D, n * D)
+
+
+class _Double(nn.Module):
+    """Flux-shaped double block: two modulation linears (6d each), attention and MLPs per stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.img_mod, self.txt_mod = _Mod(6), _Mod(6)
+        self.img_attn = nn.ModuleDict({"qkv": nn.Linear(D, 3 * D), "proj": nn.Linear(D, D)})
+        self.txt_attn = nn.ModuleDict({"qkv": nn.Linear(D, 3 * D), "proj": nn.Linear(D, D)})
+        self.img_mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.txt_mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+
+class _Single(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.modulation = _Mod(3)
+        self.linear1 = nn.Linear(D, 7 * D)
+        self.linear2 = nn.Linear(5 * D, D)
+
+
+class _Flux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.img_in = nn.Linear(64, D)
+        self.double_blocks = nn.ModuleList(_Double() for _ in range(2))
+        self.single_blocks = nn.ModuleList(_Single() for _ in range(4))
+        self.final_layer = nn.Linear(D, 64)
+
+
+def _flux():
+    torch.manual_seed(0)
+    return _Flux().to(torch.bfloat16)
+
+
+def test_a_plain_model_is_not_taken_for_a_quantized_one():
+    m = _flux()
+    params, nbytes, labels = _param_stats(m)
+    assert params == sum(p.numel() for p in m.parameters()) and nbytes == 2 * params
+    assert labels == {"bfloat16": nbytes}
+    assert _stored(m, [b for _, b in find_blocks(m).blocks]) == {}
+    assert _hidden(m) == D
+
+
+@pytest.mark.parametrize("fmt,lib", [("fp8_e4m3fn", None), ("int8", "torchao"), ("nf4", "bitsandbytes")])
+def test_quantizedit_layers_count_the_weights_they_encode_and_are_planned_as_stored(fmt, lib):
+    """QuantizeDiT keeps the modulation linears in 16-bit by default: in bytes they outweigh 4-bit block linears,
+    in weights they do not. nf4 packs two codes per byte into an (out*in/2, 1) tensor: its shape is not the layer's."""
+    if lib is not None and importlib.util.find_spec(lib) is None:
+        pytest.skip(f"{fmt} needs {lib}")
+    m = _flux()
+    logical = sum(p.numel() for p in m.parameters())
+    quantize_module(m, QuantConfig(format=fmt), arch="flux", measure=False)
+    params, nbytes, labels = _param_stats(m)
+    assert params == logical
+    assert nbytes == sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    stored = _stored(m, [b for _, b in find_blocks(m).blocks])
+    assert stored["dit_stored_precision"] == fmt and stored["dit_stored_bytes"] == nbytes, stored
+    assert stored["dit_stored"].endswith("(Levers)")
+    assert _hidden(m) == D
+
+
+class _Packed4(torch.Tensor):
+    """A 4-bit wrapper subclass like ComfyUI's NVFP4 layout: packed uint8 codes plus fp8 block scales."""
+
+    @staticmethod
+    def __new__(cls, codes, scales, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16, device=codes.device)
+
+    def __init__(self, codes, scales, shape):
+        self._codes, self._scales = codes, scales
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_scales"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, size, stride):
+        return _Packed4(inner["_codes"], inner["_scales"], size)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} (only its layout matters here)")
+
+
+def test_a_4bit_wrapper_with_fp8_scales_is_4bit_not_fp8():
+    out, inp = 64, 128
+    w = _Packed4(torch.zeros(out * inp // 2, dtype=torch.uint8), torch.zeros(out * inp // 16, dtype=torch.float8_e4m3fn),
+                 (out, inp))
+    assert _format("weight", w) == ("4-bit (_Packed4)", "nf4")
+    fp8 = torch.zeros(out, inp, dtype=torch.float8_e4m3fn)
+    assert _format("weight", fp8) == ("fp8", "fp8_e4m3fn")
+    assert _format("weight", torch.zeros(out, inp, dtype=torch.uint8)) is None   # a plain byte buffer is not a weight
