@@ -174,3 +174,13 @@ def test_a_new_group_prefetch_clone_of_a_gguf_model_does_not_move_or_restage_the
         comfy_env.mm.unload_all_models()
     assert not moved, moved
     assert restaged[1] == restaged[2] == restaged[0], restaged
+
+
+def test_quantize_dit_leaves_a_gguf_model_as_it_is_and_says_so(comfy_env, tiny_wan, gguf):
+    model = gguf.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    quant = _node(comfy_env, "LeversQuantizeDiT")
+    out, report = _result(quant.execute(model, format="fp8_e4m3fn"))[:2]
+    assert "already holds quantized weights" in report, report
+    assert all(type(p).__name__ == "GGMLTensor" for p in _ggml(out).values()) and _ggml(out).keys() == _ggml(model).keys()
+    assert torch.equal(tiny_wan.sample(out)["samples"], ref)
