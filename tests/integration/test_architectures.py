@@ -129,3 +129,35 @@ def test_every_streamed_block_reads_its_weights_from_the_slots(comfy_env, tiny, 
     out = tiny.sample(clone, steps=2)
     assert "not streamed" not in state.last_report, state.last_report
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_auto_plan_streamed_tensors_are_read_from_the_slots(comfy_env, tiny, monkeypatch):
+    """The auto plan under a budget of 75% of the model, or the least that streams whole blocks where that is
+    less (SD3's three tiny blocks are each a third of it): split blocks where they pay (ComfyUI loads each block's
+    tail modules, the heads stream). Every tensor the engine streamed lands doubled in its slot, so the output must
+    be exactly that of the model with just those tensors doubled. A tensor read from its host copy, or a tail the
+    engine touched, would show."""
+    import comfyui_levers.bridge.prefetch as bp
+    from comfyui_levers.core.residency.blocks import module_bytes
+    from tiny_models import FLOATS, double_slots_transport
+
+    monkeypatch.setattr(bp, "make_transport", lambda dev, record=False: double_slots_transport())
+    model = tiny.load()
+    dm = model.model.diffusion_model
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1,
+                                vram_budget_gb=max(0.75 * module_bytes(dm) / 2 ** 30, _tight_budget_gb(model, 1)))
+    out = tiny.sample(clone, steps=2)
+    stats = state.last_stats
+    assert stats is not None and stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"] > 0, \
+        state.last_report
+    assert "split: ComfyUI loads each block's tail modules" in state.last_report, state.last_report
+    names = {id(m): n for n, m in dm.named_modules()}
+    streamed = {f"{names[id(r.owner)]}.{r.name}".lstrip(".") for e in bp._STORES[dm][1].entries for r in e.refs
+                if e.dtype in FLOATS}
+    assert streamed
+    doubled = tiny.load()
+    tensors = dict([*doubled.model.diffusion_model.named_parameters(), *doubled.model.diffusion_model.named_buffers()])
+    with torch.no_grad():
+        for name in streamed:
+            tensors[name].mul_(2)
+    torch.testing.assert_close(out, tiny.sample(doubled, steps=2), rtol=0, atol=0, equal_nan=True)
