@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.errors import BudgetExceeded
 from ..core.residency import subclass
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
@@ -77,6 +78,19 @@ def _staging(widest_bytes: int, cfg: PrefetchConfig) -> int:
     return staging_nbytes(widest_bytes // 2) if cfg.packed else 0
 
 
+def _layout_need(block_bytes: list[int], other_bytes: int, k: int, cfg: PrefetchConfig, n_dtypes: int = 1,
+                 block_tensors: list[int] | None = None) -> int:
+    """Device bytes of ComfyUI keeping the first ``k`` blocks loaded and the engine streaming the rest through
+    its slots (as ``_resident_blocks`` sizes them)."""
+    g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
+    d = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+    rest, counts = block_bytes[k:], (block_tensors or [0] * len(block_bytes))[k:]
+    widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
+    tensors = max((sum(counts[i:i + g]) for i in range(0, len(rest), g)), default=0)
+    return int(other_bytes + sum(block_bytes[:k]) + (d + 1) * slot_bound(widest, n_dtypes, tensors)
+               + _staging(widest, cfg))
+
+
 def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig,
                      n_dtypes: int = 1, block_tensors: list[int] | None = None) -> int:
     """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots (blocks in
@@ -89,13 +103,8 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
         # streamed groups that would each keep one of the d + 1 slots move nothing, on more memory than the
         # blocks take loaded: ComfyUI loads them instead
         return n if slots_hold_all(n - k, g, d) else k
-    counts = block_tensors or [0] * n
     for k in range(n, -1, -1):
-        rest, rest_counts = block_bytes[k:], counts[k:]
-        widest = max((sum(rest[i:i + g]) for i in range(0, len(rest), g)), default=0)
-        tensors = max((sum(rest_counts[i:i + g]) for i in range(0, len(rest), g)), default=0)
-        if other_bytes + sum(block_bytes[:k]) + (d + 1) * slot_bound(widest, n_dtypes, tensors) \
-                + _staging(widest, cfg) <= budget:
+        if _layout_need(block_bytes, other_bytes, k, cfg, n_dtypes, block_tensors) <= budget:
             return k
     return 0
 
@@ -218,6 +227,13 @@ class _Session:
                 self.streamed = [self.layout.blocks[b] for b in split.streamed]
                 self.streamed_bytes = split.streamed_bytes
                 self.streamed_ids = set(split.head_modules)
+        # the least this run can stream with still does not fit (a budget below the non-block part plus d + 1
+        # slots of the widest group): (needed, budget), decided before ComfyUI loads anything
+        self.too_small: tuple[int, float] | None = None
+        if self.split is None and self.streamed and not math.isinf(self.budget):
+            need = _layout_need(sizes, other, self.k, cfg, n_dtypes, block_tensors)
+            if need > self.budget:
+                self.too_small = (need, self.budget)
         self._saved: dict[str, Any] = {}
         self.unloaded_stale: str | None = None
 
@@ -245,7 +261,7 @@ class _Session:
     # scoped ComfyUI overrides ------------------------------------------------------------------
     def install_load_overrides(self) -> None:
         """Make ComfyUI load only the non-streamed part (instance attributes, removed in close)."""
-        if not self.streamed:
+        if not self.streamed or self.too_small:
             return
         self.unload_stale_placement()
         p = self.patcher
@@ -326,6 +342,13 @@ class _Session:
     # engine ------------------------------------------------------------------------------------
     def attach(self) -> None:
         """First model call of the run: ComfyUI has loaded and patched; stream the rest."""
+        if self.too_small:
+            need, budget = self.too_small
+            self.skip_reason = (f"the free VRAM for this model's weights ({_gb(budget)}) cannot hold its non-block "
+                                f"part plus the streaming slots of its widest blocks ({_gb(need)}), so ComfyUI loads "
+                                "it itself this run (its own lowvram path); a smaller resolution or batch, "
+                                "blocks_per_group=1 and prefetch_depth=1, or QuantizeDiT first make room")
+            return
         if not self.streamed:
             cfg = self.state.request.config
             g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
@@ -503,6 +526,13 @@ class PrefetchState:
             return executor(*args, **kwargs)
         noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
         session = _Session(self, patcher, noise)
+        if session.too_small and self.request.budget_bytes is not None:
+            need, budget = session.too_small
+            raise BudgetExceeded(need, int(budget), "GroupPrefetch (vram_budget_gb)",
+                                 hint="The budget must hold the model's non-block part plus prefetch_depth + 1 slots "
+                                      "of its widest block group: raise vram_budget_gb, set blocks_per_group=1 and "
+                                      "prefetch_depth=1, quantize the model first, or leave the budget on auto "
+                                      "(ComfyUI then loads the model itself when even that does not fit).")
         self.session = session
         try:
             session.install_load_overrides()

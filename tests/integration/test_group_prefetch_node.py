@@ -513,3 +513,27 @@ def test_under_dynamic_vram_it_streams_a_patcher_comfyui_loads_the_legacy_way(co
     assert torch.equal(tiny_wan.sample(compiled)["samples"], ref)
     stats = bp.prefetch_state(compiled).last_stats
     assert stats is not None and stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"] > 0
+
+
+def test_a_budget_that_cannot_hold_the_slots_is_decided_before_comfyui_loads(comfy_env, tiny_wan, monkeypatch):
+    """Auto budget (free VRAM) below the non-block part plus two slots: ComfyUI loads the model itself this run
+    (its own lowvram path) and the report says why. Before, the engine raised BudgetExceeded mid-sampling, after
+    ComfyUI had loaded the model without the streamed blocks. An explicit budget that small is an error that names
+    the fix, raised before anything loads."""
+    import comfyui_levers.bridge.prefetch as bp
+    from comfyui_levers.core.errors import BudgetExceeded
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    comfy_env.mm.unload_all_models()
+    monkeypatch.setattr(bp._Session, "_budget", lambda self, noise: 1024.0 ** 2)       # 1 MiB of free VRAM
+    clone, _, state = _prefetch(comfy_env, model, vram_budget_gb=0.0)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats is None and "ComfyUI loads it itself this run" in state.last_report, state.last_report
+    monkeypatch.undo()
+    clone, _, state = _prefetch(comfy_env, model, vram_budget_gb=0.001)
+    with pytest.raises(BudgetExceeded, match="raise vram_budget_gb"):
+        tiny_wan.sample(clone)
+    for p in (model, clone):
+        assert not {"_load_list", "load", "model_size"} & set(vars(p))
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
