@@ -2499,29 +2499,29 @@ def build_summary(results: dict) -> dict[str, Any]:
         definition="seconds per sampling run (DiT only) through the GroupPrefetch node (auto budget) / ComfyUI's "
                    "lowvram, same emulated card (a quarter of the DiT + 2.5 GiB), inside ComfyUI; then the same clone "
                    "at a longer video, bit-compared with ComfyUI there")
+    comfy_reason = _section_reason(results, "comfy_phase")
+
+    def in_comfy_case(rec: dict, definition: str, **extra) -> dict:
+        """A GroupPrefetch-in-ComfyUI case nested under the plain one: its time ratio against ComfyUI's own path."""
+        r = rec.get("ratio_time")
+        return _metric(rnd(r, 3) if r is not None else None,
+                       comfy_reason or rec.get("reason") or gp.get("reason") or "not measured",
+                       "<= 0.77 (>= 1.3x faster)", None if r is None else r <= 1 / 1.3,
+                       bit_identical=rec.get("bit_identical"),
+                       kept_unstreamed=(rec.get("levers_stats") or {}).get("kept_unstreamed"),
+                       definition=definition, **extra)
     gp8 = gp.get("fp8") or {}
-    gp8_ratio = gp8.get("ratio_time")
-    kept = (gp8.get("levers_stats") or {}).get("kept_unstreamed")
-    summary["prefetch_fp8_in_comfy_vs_lowvram"] = _metric(
-        rnd(gp8_ratio, 3) if gp8_ratio is not None else None,
-        _section_reason(results, "comfy_phase") or gp8.get("reason") or gp.get("reason") or "not measured",
-        "<= 0.77 (>= 1.3x faster)", None if gp8_ratio is None else gp8_ratio <= 1 / 1.3,
-        bit_identical=gp8.get("bit_identical"), layers=gp8.get("layers"), kept_unstreamed=kept,
-        definition="as prefetch_in_comfy_vs_lowvram, after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where "
-                   "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0")
+    summary["prefetch_fp8_in_comfy_vs_lowvram"] = in_comfy_case(
+        gp8, "as prefetch_in_comfy_vs_lowvram, after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where "
+             "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0", layers=gp8.get("layers"))
     gpg = gp.get("gguf") or {}
-    gpg_ratio = gpg.get("ratio_time")
-    summary["prefetch_gguf_in_comfy_vs_lowvram"] = _metric(
-        rnd(gpg_ratio, 3) if gpg_ratio is not None else None,
-        _section_reason(results, "comfy_phase") or gpg.get("reason") or gp.get("reason") or "not measured",
-        "<= 0.77 (>= 1.3x faster)", None if gpg_ratio is None else gpg_ratio <= 1 / 1.3,
-        bit_identical=gpg.get("bit_identical"), card_gib=gpg.get("card_gib"),
-        kept_unstreamed=(gpg.get("levers_stats") or {}).get("kept_unstreamed"),
-        comfy_loaded_gib=None if gpg.get("comfy_loaded_bytes") is None else gb(gpg["comfy_loaded_bytes"]),
-        definition="the same DiT as a Q8_0 GGUF model loaded as ComfyUI-GGUF loads one (GGMLTensor weights, GGMLOps, "
-                   "GGUFModelPatcher; needs $COMFYUI_GGUF_PATH): seconds per sampling run through GroupPrefetch "
-                   "(auto budget, the packed Q8 bytes stream) / ComfyUI with ComfyUI-GGUF's per-layer casts, on a card "
-                   "of a quarter of the Q8 weights + 2.5 GiB; kept_unstreamed must be 0")
+    summary["prefetch_gguf_in_comfy_vs_lowvram"] = in_comfy_case(
+        gpg, "the same DiT as a Q8_0 GGUF model loaded as ComfyUI-GGUF loads one (GGMLTensor weights, GGMLOps, "
+             "GGUFModelPatcher; needs $COMFYUI_GGUF_PATH): seconds per sampling run through GroupPrefetch "
+             "(auto budget, the packed Q8 bytes stream) / ComfyUI with ComfyUI-GGUF's per-layer casts, on a card "
+             "of a quarter of the Q8 weights + 2.5 GiB; kept_unstreamed must be 0",
+        card_gib=gpg.get("card_gib"),
+        comfy_loaded_gib=None if gpg.get("comfy_loaded_bytes") is None else gb(gpg["comfy_loaded_bytes"]))
     dyn = results.get("sections", {}).get("dynamic", {})
     dyn_rows = [c for c in dyn.get("cases", []) if c.get("levers_vs_dynamic")]
     dyn_worst = max((c["levers_vs_dynamic"] for c in dyn_rows), default=None)
