@@ -782,7 +782,7 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
         return model, clip, vae, None
 
     def phase_flow():
-        m, c, v, group = bridge.apply(model, clip, vae, bridge.PhaseSettings())
+        m, c, v, group, _ = bridge.apply(model, clip, vae, bridge.PhaseSettings())
         state["phase_outputs"] = (m, c, v)
         return m, c, v, group
 

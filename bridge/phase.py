@@ -33,7 +33,7 @@ import time
 import weakref
 from datetime import datetime, timezone
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,7 +47,7 @@ from .comfy_mode import unload_entries_of
 log = logging.getLogger("levers")
 
 ATTACHMENT = "levers_phase"
-COMPONENTS = ("diffusion_model", "text_encoder", "vae")
+COMPONENTS = ("diffusion_model", "diffusion_model_2", "text_encoder", "vae")
 _GIB = 1024 ** 3
 
 
@@ -271,7 +271,8 @@ def remove_phase_offload(patcher) -> None:
 # publishes it whenever a phase closes: on the node (ComfyUI's progress-text channel), as JSON in
 # <output>/levers/, in the log, and in ``latest_ledger()``.
 
-PHASES = {"text_encoder": "encode", "diffusion_model": "sample", "vae": "decode"}
+PHASES = {"text_encoder": "encode", "diffusion_model": "sample", "diffusion_model_2": "sample (model 2)",
+          "vae": "decode"}
 LEDGER_SCHEMA = "levers.phase_ledger/1"
 
 
@@ -829,19 +830,45 @@ def wrap_vae(vae):
     return new
 
 
-def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, node_id: str | None = None):
-    """Build the phase-managed MODEL / CLIP / VAE outputs and the group that ties them together.
+class PhaseOutputs(NamedTuple):
+    model: Any
+    clip: Any
+    vae: Any
+    group: PhaseGroup
+    model_2: Any = None
 
-    ``node_id``: the PhaseOffload node's ComfyUI id; the per-phase ledger is shown on that node."""
+
+def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, node_id: str | None = None,
+          model_2=None):
+    """Build the phase-managed MODEL / CLIP / VAE (and MODEL_2) outputs and the group that ties them together.
+
+    ``model_2``: a second diffusion model sampled after the first (Wan 2.2 A14B's low-noise expert, an SDXL
+    refiner): its own phase, so each holds the GPU alone. ``node_id``: the PhaseOffload node's ComfyUI id; the
+    per-phase ledger is shown on that node."""
     settings = settings or PhaseSettings()
     require_model(model)
+    if model_2 is not None:
+        require_model(model_2, "model_2")
     group = PhaseGroup(settings, node_id=None if node_id is None else str(node_id))
     _LIVE.add(group)
     mm = _mm()
 
+    model_device = parse_device(settings.model_device, "model_device")
     m = model.clone()
-    _set_load_device(m, parse_device(settings.model_device, "model_device"))
+    _set_load_device(m, model_device)
     group.add("diffusion_model", m)
+    m2 = None
+    if model_2 is not None:
+        m2 = model_2.clone()
+        _set_load_device(m2, model_device)
+        if model_2.model is model.model:
+            # the same diffusion model twice (a LoRA'd clone of the first): one component, or its phase would
+            # release itself
+            install(m2, group.components["diffusion_model"])
+            group.notes.append("model_2 is the same diffusion model as model (a clone of it): managed as one "
+                               "component, one phase")
+        else:
+            group.add("diffusion_model_2", m2)
 
     c = None
     if clip is not None:
@@ -873,12 +900,13 @@ def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, nod
             _set_load_device(v.patcher, vae_device)
         group.add("vae", v.patcher)
 
-    for name, patcher in (("diffusion_model", m), ("text_encoder", c.patcher if c is not None else None),
+    for name, patcher in (("diffusion_model", m), ("diffusion_model_2", m2),
+                          ("text_encoder", c.patcher if c is not None else None),
                           ("vae", v.patcher if v is not None else None)):
-        if patcher is not None:
+        if patcher is not None and name in group.components:
             group.components[name].stage(patcher)   # pin once, at load, not per step
     group.notes.extend(what_comfyui_does(group, mm))
-    return m, c, v, group
+    return PhaseOutputs(m, c, v, group, m2)
 
 
 def what_comfyui_does(group: PhaseGroup, mm) -> list[str]:
@@ -931,7 +959,7 @@ def report_text(group: PhaseGroup) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ATTACHMENT", "Component", "PhaseEntry", "PhaseGroup", "PhaseSettings", "RunLedger", "apply",
+__all__ = ["ATTACHMENT", "Component", "PhaseEntry", "PhaseGroup", "PhaseOutputs", "PhaseSettings", "RunLedger", "apply",
            "format_ledger", "is_dynamic", "latest_ledger", "ledger_destinations", "ledger_dir", "live_ledgers",
            "parse_device", "progress_text_channel", "remove_phase_offload", "report_text", "retype_text_encoder",
            "send_to_node", "wrap_vae", "write_ledger_json"]

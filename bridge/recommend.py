@@ -142,9 +142,19 @@ def _hidden(dm: torch.nn.Module) -> int:
     return max(counts, key=counts.get) if counts else 1024
 
 
-def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple[ModelSpec, list[str]]:
-    """A ModelSpec from the connected models (measured numbers win over the preset's)."""
+def measure(model=None, clip=None, vae=None, preset: str | None = None,
+            model_2=None) -> tuple[ModelSpec, list[str]]:
+    """A ModelSpec from the connected models (measured numbers win over the preset's).
+
+    ``model_2``: a second diffusion model sampled after the first (Wan 2.2 A14B's low-noise expert). Of the same
+    family, the two are planned as experts, one on the GPU at a time: the larger sets the GPU's share, both the host
+    RAM. A model of another family is left out, with a note."""
     notes = []
+    if model_2 is not None:
+        require_model(model_2, "model_2")
+        if model is None:
+            model, model_2 = model_2, None
+            notes.append("model_2 is connected without model: planned as the diffusion model")
     if model is not None:
         require_model(model)
     if clip is not None:
@@ -183,6 +193,9 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple
             ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in by_dtype.items()) + ")"
         notes.append(f"diffusion model measured: {params / 1e9:.3f} B params in {len(blocks)} blocks, "
                      + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in by_dtype.items()))
+    if model_2 is not None:
+        upd, more = _second_expert(model, model_2, dataclasses.replace(spec, **upd), upd)
+        notes.extend(more)
     if clip is not None:
         params, nbytes, _ = _param_stats(clip.cond_stage_model)
         upd.update(te_params=float(params), te_dtype_bytes=max(1, round(nbytes / max(1, params))))
@@ -197,6 +210,37 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None) -> tuple
             upd["vae_spatial"] = ratio[1]
         notes.append(f"VAE measured: {params / 1e6:.1f} M params")
     return dataclasses.replace(spec, **upd), notes
+
+
+def _second_expert(model, model_2, first: ModelSpec, upd: dict) -> tuple[dict, list[str]]:
+    """``upd`` with ``model_2`` counted as a second expert of ``first`` (its own measurement): one expert on the GPU
+    at a time, so the larger one's numbers stand for both; notes say what was done."""
+    family, _ = _family(model)
+    family_2, _ = _family(model_2)
+    if family_2 != family:
+        return upd, [f"model_2 is a {family_2} model, not a second {family} expert: planned without it (plan it "
+                     "with its own Recommend)"]
+    if model_2.model.diffusion_model is model.model.diffusion_model:
+        return upd, ["model_2 is the same diffusion model as model: planned once"]
+    dm = model_2.model.diffusion_model
+    params, nbytes, _ = _param_stats(dm)
+    blocks = _blocks(dm)
+    stored = _stored(dm, blocks)
+    bytes_1 = first.dit_stored_bytes or int(first.dit_params * first.dit_dtype_bytes)
+    upd = {**upd, "experts": max(2, first.experts)}
+    notes = [f"model_2 measured: {params / 1e9:.3f} B params, {nbytes / GiB:.2f} GiB; planned as a second expert "
+             "(one diffusion model on the GPU at a time, both in host RAM)"]
+    if nbytes > bytes_1:
+        # the larger expert is the one that must fit: plan with its numbers
+        upd.update(dit_params=float(params), dit_dtype_bytes=max(1, round(nbytes / max(1, params))),
+                   n_blocks=max(1, len(blocks)), hidden=_hidden(dm))
+        for key in ("dit_stored_bytes", "dit_stored", "dit_stored_precision"):
+            upd.pop(key, None)
+        upd.update(stored)
+        notes.append("model_2 is the larger of the two: its size is planned for both")
+    if bool(stored) != bool(first.dit_stored):
+        notes.append("only one of the two models is already quantized: a QuantizeDiT plan applies to the other")
+    return upd, notes
 
 
 def machine_for_comfy(base: Machine | None = None) -> Machine:

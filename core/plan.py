@@ -440,9 +440,11 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
 
 
 def _host_need(spec, machine, c: _Candidate) -> int:
-    """Host bytes a plan keeps: the DiT (every expert), the text encoder when it is not resident, the VAE."""
+    """Host bytes a plan keeps: the DiT (every expert; the ones not on the GPU when it stays resident), the text
+    encoder when it is not resident, the VAE."""
     vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
-    return (c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
+    copies = spec.experts - 1 if c.dit.residency is Residency.RESIDENT else spec.experts
+    return (c.dit.weight_bytes * copies + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
             + vae_w)
 
 
@@ -450,7 +452,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     gpu = machine.gpu
     bf16 = gpu.bf16
     vae_w = int(spec.vae_params * (2 if bf16 else 4))
-    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * spec.experts if c.dit.residency is not Residency.RESIDENT else 0,
+    # a resident DiT stays on the GPU; with experts, the ones not sampling wait in host RAM
+    resident = c.dit.residency is Residency.RESIDENT
+    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * (spec.experts - 1 if resident else spec.experts),
             Component.TEXT_ENCODER: c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
             Component.VAE: vae_w if c.vae_residency is Residency.PHASE else 0}
     pin_total = sum(host.values())
@@ -499,7 +503,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
             if c.dit.precision is Precision.BF16:
                 dit_notes.append(packed_note(s, machine))
     if spec.experts > 1:
-        dit_notes.append(f"{spec.experts} experts share the GPU one at a time (phase swap at the expert boundary)")
+        dit_notes.append(f"{spec.experts} experts share the GPU one at a time, each swapped in for its own steps: "
+                         "connect the second to PhaseOffload's model_2 (one copy in, a pointer swap out), and a "
+                         "GroupPrefetch after each when the plan streams")
     if machine.comfyui.get("dynamic_vram"):
         dit_notes.append("ComfyUI's DynamicVRAM streams a dynamic model itself and GroupPrefetch stands aside for it "
                          "(start ComfyUI with --disable-dynamic-vram to use it instead); a model ComfyUI loads the "
@@ -547,7 +553,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                 fits=peak <= gpu.total_bytes, notes=tuple(notes),
                 workload={**workload, "predicted_step_seconds": round(c.dit.step_seconds, 3),
                           "predicted_total_seconds": round(c.dit.step_seconds * wl.steps + extra, 1)},
-                machine=mdict)
+                machine=mdict, host_bytes=int(host_need), experts=spec.experts)
 
 
 def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
@@ -561,7 +567,7 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
         dit_b = (int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN and stored is None
                  else dit_weight_bytes(spec, p))
         te_b = int(spec.te_params * bytes_per_param(p))
-        need = dit_b + te_b + int(spec.vae_params * 4) + extra_need
+        need = dit_b * spec.experts + te_b + int(spec.vae_params * 4) + extra_need   # every expert in RAM
         chosen = (p, dit_b, te_b, need)
         if avail is None or need <= avail:
             break
@@ -584,7 +590,7 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     return Plan(model=spec.name, goal=goal, budget_bytes=0, vram_bytes=0, components=comps,
                 activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=0,
                 predicted_peak_bytes=0, predicted_extra_seconds=0.0, fits=fits, notes=tuple(notes),
-                workload=workload, machine=mdict)
+                workload=workload, machine=mdict, host_bytes=int(need - extra_need), experts=spec.experts)
 
 
 def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> Plan:

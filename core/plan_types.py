@@ -69,6 +69,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     workload: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
+    host_bytes: int = 0         # host RAM the plan's host copies take (every expert's DiT, offloaded TE and VAE)
+    experts: int = 1            # diffusion models sampled one after the other (Wan 2.2 A14B: 2)
 
     def component(self, name: str | Component) -> ComponentPlan:
         name = Component.parse(name, "component")

@@ -38,6 +38,9 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
     else:
         lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode {gib(plan.vae_decode_peak_bytes)}; "
                      f"{'fits' if plan.fits else 'DOES NOT FIT'} in host RAM")
+    if plan.host_bytes:
+        lines.append(f"host RAM for the host copies: {gib(plan.host_bytes)}"
+                     + (f" (the diffusion model {plan.experts}x: one copy per expert)" if plan.experts > 1 else ""))
     for c in plan.components:
         for n in c.notes:
             lines.append(f"- {c.name}: {n}")

@@ -66,20 +66,28 @@ class LeversPhaseOffload(io.ComfyNode):
                 io.Combo.Input("text_encoder_precision", options=["auto", "fp32", "bf16", "fp16"], default="auto",
                                tooltip="Weight dtype of the text encoder. auto keeps ComfyUI's, except 16-bit weights "
                                        "on the CPU become fp32 (a private copy; the input CLIP is untouched)."),
+                io.Model.Input("model_2", optional=True,
+                               tooltip="A second diffusion model sampled after the first (Wan 2.2 A14B: the "
+                                       "low-noise expert; or a refiner). It gets its own phase, so each model holds "
+                                       "the GPU alone and switching is one copy in, a pointer swap out. Placed "
+                                       "with model_device. Its managed clone is the MODEL_2 output."),
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
-                     io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report")],
+                     io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report"),
+                     io.Model.Output(display_name="MODEL_2",
+                                     tooltip="The managed clone of model_2 (empty when model_2 is not connected).")],
             hidden=[io.Hidden.unique_id],   # the per-phase ledger is shown on this node after its phases
         )
 
     @classmethod
     def execute(cls, model, clip=None, vae=None, plan=None, model_device="auto", text_encoder_device="auto",
-                vae_device="auto", pin="auto", text_encoder_precision="auto") -> io.NodeOutput:
+                vae_device="auto", pin="auto", text_encoder_precision="auto", model_2=None) -> io.NodeOutput:
         settings = settings_from(plan, model_device, text_encoder_device, vae_device, pin, text_encoder_precision)
         hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
-        m, c, v, group = apply(model, clip, vae, settings, node_id=getattr(hidden, "unique_id", None))
+        m, c, v, group, m2 = apply(model, clip, vae, settings, node_id=getattr(hidden, "unique_id", None),
+                                   model_2=model_2)
         report = report_text(group)
-        return io.NodeOutput(m, c, v, report, ui=ui.PreviewText(report))
+        return io.NodeOutput(m, c, v, report, m2, ui=ui.PreviewText(report))
 
 
 NODES = [LeversPhaseOffload]

@@ -41,14 +41,18 @@ class LeversRecommend(io.ComfyNode):
                 io.Model.Input("model", optional=True, tooltip="Measure this diffusion model instead of a preset."),
                 io.Clip.Input("clip", optional=True, tooltip="Measure this text encoder."),
                 io.Vae.Input("vae", optional=True, tooltip="Measure this VAE."),
+                io.Model.Input("model_2", optional=True,
+                               tooltip="A second diffusion model sampled after the first (Wan 2.2 A14B: the "
+                                       "low-noise expert). Planned as a second expert: one on the GPU at a time, "
+                                       "both in host RAM."),
             ],
             outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
         )
 
     @classmethod
     def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
-                model=None, clip=None, vae=None) -> io.NodeOutput:
-        spec, notes = measure(model, clip, vae, preset=model_preset)
+                model=None, clip=None, vae=None, model_2=None) -> io.NodeOutput:
+        spec, notes = measure(model, clip, vae, preset=model_preset, model_2=model_2)
         machine = machine_for_comfy()
         if vram_gb or ram_gb:
             machine = synthetic_machine(vram_gb or None, ram_gb or None, None, base=machine)

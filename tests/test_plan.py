@@ -346,3 +346,38 @@ def test_an_already_quantized_model_is_planned_at_the_bytes_it_holds(stored, lab
     cpu = plan(spec, Workload(1024, 1024, 1, 28, 1), synthetic_machine(vram_gb=0, ram_gb=64))
     assert cpu.diffusion_model.precision is Precision.parse(stored)
     assert cpu.diffusion_model.weight_bytes == int(gib * GiB)
+
+
+def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
+    """Wan 2.2 A14B: two 14B experts, one on the GPU at a time. The GPU side plans as one; host RAM holds both."""
+    from comfyui_levers.core.report import format_plan
+
+    wl = Workload(832, 480, 81, 20)
+    one, two = get_preset("wan2.1-14b"), get_preset("wan2.2-a14b")
+    assert two.experts == 2 and one.experts == 1
+    roomy = machine(24, ram=64)
+    a, b = plan(one, wl, roomy), plan(two, wl, roomy)
+    assert (a.diffusion_model.precision, a.diffusion_model.residency) == \
+        (b.diffusion_model.precision, b.diffusion_model.residency)
+    assert b.predicted_peak_bytes == a.predicted_peak_bytes            # one expert on the GPU at a time
+    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes   # the other waits in host RAM
+    assert "one copy per expert" in format_plan(b, roomy) and "one copy per expert" not in format_plan(a, roomy)
+    assert any("model_2" in n for n in b.diffusion_model.notes)
+    # 48 GiB of RAM holds one bf16 14B DiT with its text encoder, not two: the experts go fp8
+    tight = machine(24, ram=48)
+    a, b = plan(one, wl, tight), plan(two, wl, tight)
+    assert a.diffusion_model.precision is Precision.BF16
+    assert b.diffusion_model.precision is Precision.FP8_E4M3FN and b.host_bytes <= 48 * GiB
+    # a card that holds one expert resident: the other one is the host's (pinned when RAM allows); with one
+    # expert the host keeps no DiT copy
+    big = machine(141, ram=256)
+    a, b = plan(one, wl, big), plan(two, wl, big)
+    assert a.diffusion_model.residency is b.diffusion_model.residency is Residency.RESIDENT
+    assert not a.diffusion_model.pin and b.diffusion_model.pin
+    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    # no GPU: both experts in RAM
+    cpu = synthetic_machine(vram_gb=0, ram_gb=512)
+    a, b = plan(one, wl, cpu), plan(two, wl, cpu)
+    assert b.vram_bytes == 0
+    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    assert Plan.from_dict(json.loads(b.to_json())).experts == 2

@@ -114,3 +114,45 @@ def test_a_4bit_wrapper_with_fp8_scales_is_4bit_not_fp8():
     fp8 = torch.zeros(out, inp, dtype=torch.float8_e4m3fn)
     assert _format("weight", fp8) == ("fp8", "fp8_e4m3fn")
     assert _format("weight", torch.zeros(out, inp, dtype=torch.uint8)) is None   # a plain byte buffer is not a weight
+
+
+def _patcher(dm):
+    """What Recommend reads of a ComfyUI MODEL: ``clone`` and ``model.diffusion_model``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(clone=lambda: None, model=SimpleNamespace(diffusion_model=dm))
+
+
+def test_a_second_expert_is_planned_one_at_a_time_with_both_in_host_ram():
+    from comfyui_levers.bridge.recommend import measure
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.probe import synthetic_machine
+
+    high, low = _patcher(_flux()), _patcher(_flux())
+    one, _ = measure(high)
+    two, notes = measure(high, model_2=low)
+    assert one.experts == 1 and two.experts == 2
+    assert two.dit_params == one.dit_params and two.family == one.family == "flux"
+    assert any("second expert" in n for n in notes)
+    m = synthetic_machine(vram_gb=24, ram_gb=256, h2d_gbps=25)
+    a, b = plan(one, Workload(1024, 1024), m), plan(two, Workload(1024, 1024), m)
+    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    # the larger expert sets the plan (here: the second, in fp32)
+    big, notes = measure(high, model_2=_patcher(_Flux()))
+    assert big.experts == 2 and big.dit_dtype_bytes == 4 and any("larger" in n for n in notes)
+    # a second model that is not another expert of the same family is left out, with a note
+    other, notes = measure(high, model_2=_patcher(nn.Sequential(nn.Linear(D, D))))
+    assert other.experts == 1 and any("not a second flux expert" in n for n in notes)
+    # the same model twice is one model; model_2 alone is the model
+    same, notes = measure(high, model_2=_patcher(high.model.diffusion_model))
+    assert same.experts == 1 and any("same diffusion model" in n for n in notes)
+    alone, notes = measure(model_2=low)
+    assert alone.experts == 1 and alone.dit_params == one.dit_params and any("without model" in n for n in notes)
+
+
+def test_a_second_input_that_is_not_a_model_names_model_2():
+    from comfyui_levers.bridge.recommend import measure
+    from comfyui_levers.core.errors import IncompatibleInput
+
+    with pytest.raises(IncompatibleInput, match="model_2"):
+        measure(_patcher(_flux()), model_2="a string")

@@ -48,6 +48,14 @@ MODEL_URLS = {
                                                "umt5_xxl_fp8_e4m3fn_scaled.safetensors?download=true"),
     "wan_2.1_vae.safetensors": ("vae", "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/"
                                        "split_files/vae/wan_2.1_vae.safetensors"),
+    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "https://huggingface.co/Comfy-Org/"
+                                                         "Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/"
+                                                         "diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled."
+                                                         "safetensors"),
+    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": ("diffusion_models", "https://huggingface.co/Comfy-Org/"
+                                                        "Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/"
+                                                        "diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled."
+                                                        "safetensors"),
     "sd_xl_base_1.0.safetensors": ("checkpoints", "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/"
                                                   "resolve/main/sd_xl_base_1.0.safetensors?download=true"),
 }
@@ -377,6 +385,63 @@ Change: width/height/length on the plan node and on the latent (length = 4k+1 fr
     return g
 
 
+def wan22_16gb(oi: dict) -> Graph:
+    g = Graph(oi, "wan22_a14b_video_16gb")
+    high = g.add("UNETLoader", 0, _title="High-noise expert",
+                 unet_name="wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", weight_dtype="default")
+    low = g.add("UNETLoader", 0, _title="Low-noise expert",
+                unet_name="wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", weight_dtype="default")
+    clip = g.add("CLIPLoader", 0, clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan")
+    vae = g.add("VAELoader", 0, vae_name="wan_2.1_vae.safetensors")
+    rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU (both experts)", **levers_inputs(
+        oi, "LeversRecommend", model=high.out("MODEL"), model_2=low.out("MODEL"), clip=clip.out("CLIP"),
+        vae=vae.out("VAE"), model_preset="auto", width=832, height=480, frames=81, steps=20, goal="balanced",
+        vram_gb=0.0))
+    phase = g.add("LeversPhaseOffload", 2, _title="Levers: one expert on the GPU at a time", **levers_inputs(
+        oi, "LeversPhaseOffload", model=high.out("MODEL"), model_2=low.out("MODEL"), clip=clip.out("CLIP"),
+        vae=vae.out("VAE"), plan=rec.out("plan")))
+    stream_high = g.add("LeversGroupPrefetch", 2, _title="Levers: stream the high-noise expert", **levers_inputs(
+        oi, "LeversGroupPrefetch", model=phase.out("MODEL"), plan=rec.out("plan")))
+    stream_low = g.add("LeversGroupPrefetch", 2, _title="Levers: stream the low-noise expert", **levers_inputs(
+        oi, "LeversGroupPrefetch", model=phase.out("MODEL_2"), plan=rec.out("plan")))
+    shift_high = g.add("ModelSamplingSD3", 3, model=_first_out(stream_high, "MODEL", phase), shift=8.0)
+    shift_low = g.add("ModelSamplingSD3", 3, model=_first_out(stream_low, "MODEL", phase), shift=8.0)
+    clip_out = _first_out(phase, "CLIP", clip)
+    pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=WAN_PROMPT, clip=clip_out)
+    neg = g.add("CLIPTextEncode", 3, _title="Negative prompt", text=WAN_NEGATIVE, clip=clip_out)
+    latent = g.add("EmptyHunyuanLatentVideo", 3, width=832, height=480, length=81, batch_size=1)
+    first = g.add("KSamplerAdvanced", 4, _title="Steps 0-10: high-noise expert", model=shift_high.out(0),
+                  add_noise="enable", noise_seed=42, steps=20, cfg=3.5, sampler_name="euler", scheduler="simple",
+                  positive=pos.out(0), negative=neg.out(0), latent_image=latent.out(0), start_at_step=0,
+                  end_at_step=10, return_with_leftover_noise="enable")
+    second = g.add("KSamplerAdvanced", 4, _title="Steps 10-20: low-noise expert", model=shift_low.out(0),
+                   add_noise="disable", noise_seed=42, steps=20, cfg=3.5, sampler_name="euler", scheduler="simple",
+                   positive=pos.out(0), negative=neg.out(0), latent_image=first.out(0), start_at_step=10,
+                   end_at_step=10000, return_with_leftover_noise="disable")
+    decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles / temporal chunks that fit", **levers_inputs(
+        oi, "LeversTiledVAEDecode", samples=second.out(0), vae=_first_out(phase, "VAE", vae), plan=rec.out("plan")))
+    save = g.add("SaveAnimatedWEBP", 6, images=decode.out("IMAGE"), filename_prefix="levers/wan22-a14b",
+                 fps=16.0, lossless=False, quality=90, method="default")
+    reports = _report_previews(g, 7, rec, phase, stream_high, stream_low, decode)
+    g.note(1, """Wan 2.2 A14B text-to-video (832x480, 81 frames) on a 16 GB card.
+
+Wan 2.2 A14B is two 14 B experts: the high-noise one samples the first half of the steps, the low-noise one the rest. Each is 14 GB in fp8, so one fits next to nothing else and two never fit together. So:
+- Recommend gets both experts (model and model_2): it plans for one on the GPU at a time and for both in host RAM;
+- PhaseOffload gets both too (model and model_2): when the low-noise expert starts, the high-noise one leaves the GPU by a pointer swap (no copy back), and the text encoder and the VAE each get the GPU to themselves;
+- a GroupPrefetch on each expert streams its blocks from pinned host RAM a group ahead of compute, so the activations of 81 frames fit next to the resident blocks;
+- the video VAE decodes in temporal chunks (causal cache carried, exact) and spatial tiles sized to what is free.
+
+Needs about 36 GB of free host RAM (both experts and the text encoder). With less, set goal = fit on the plan node, or use smaller GGUF files (they stream too).
+
+Change: width/height/length on the plan node and on the latent (length = 4k+1 frames); the switch step on both samplers (end_at_step of the first = start_at_step of the second). vram_gb = 0 probes this GPU; set it to plan for another card.""")
+    g.group("1. Load", high, low, clip, vae)
+    g.group("2. Levers", phase, stream_high, stream_low)
+    g.group("3. Sample", shift_high, shift_low, pos, neg, latent, first, second)
+    g.group("4. Decode and save", decode, save)
+    g.group("Reports", *reports)
+    return g
+
+
 def sdxl_8gb(oi: dict) -> Graph:
     g = Graph(oi, "sdxl_8gb")
     ckpt = g.add("CheckpointLoaderSimple", 0, ckpt_name="sd_xl_base_1.0.safetensors")
@@ -525,7 +590,7 @@ def splice(doc: str, block: str) -> str:
 
 
 SAVED_FP8 = "flux1-dev-levers-fp8.safetensors"
-GRAPHS = (flux_16gb, wan_12gb, sdxl_8gb, quantize_and_save)
+GRAPHS = (flux_16gb, wan_12gb, wan22_16gb, sdxl_8gb, quantize_and_save)
 
 
 def fixture_subset(object_info: dict, graphs: list[dict]) -> dict:

@@ -29,8 +29,11 @@ def _node(env):
 
 
 def _run_node(env, model, clip=None, vae=None, **kw):
+    """MODEL, CLIP, VAE, report (MODEL_2, the fifth output, is None without model_2)."""
     out = _node(env).execute(model, clip, vae, **kw)
-    return out.args if hasattr(out, "args") else out.result
+    args = out.args if hasattr(out, "args") else out.result
+    assert len(args) == 5 and args[4] is None
+    return args[:4]
 
 
 def _group(patcher):
@@ -351,7 +354,7 @@ def test_ledger_per_phase_reaches_the_node_json_and_python(comfy_env, tiny_wan, 
     comfy_env.mm.unload_all_models()
     dit_bytes, vae_bytes = _weight_bytes(model.model), _weight_bytes(vae.patcher.model)
     node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "7"}})  # as ComfyUI's executor
-    m, _, v, report = node.execute(model, None, vae).args
+    m, _, v, report, _ = node.execute(model, None, vae).args
     assert "on this node" in report and str(folder / "phase_ledger-<prompt id>-node7.json") in report
     assert sent == [], "nothing ran yet"
 
@@ -428,7 +431,7 @@ def test_ledger_has_encode_sample_decode_in_order(comfy_env, tiny_wan, ledger_ou
     model, vae = _host_offload(tiny_wan.load_model()), _host_offload_vae(tiny_wan.load_vae())
     comfy_env.mm.unload_all_models()
     node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "4"}})
-    m, c, v, _ = node.execute(model, clip, vae).args
+    m, c, v, _, _ = node.execute(model, clip, vae).args
     sizes = {"text_encoder": _weight_bytes(c.cond_stage_model), "diffusion_model": _weight_bytes(m.model),
              "vae": _weight_bytes(v.patcher.model)}
     run_node = _in_prompt("prompt-te")
