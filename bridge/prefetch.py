@@ -192,7 +192,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
 class _Session:
     """One sampling run of one patcher: scoped overrides, the attached engine, the report."""
 
-    def __init__(self, state: "PrefetchState", patcher, noise: torch.Tensor | None):
+    def __init__(self, state: "PrefetchState", patcher, noise: torch.Tensor | None, guider=None):
         self.state = state
         self.patcher = patcher
         self.handle: PrefetchHandle | None = None
@@ -202,7 +202,11 @@ class _Session:
         sizes = [module_bytes(m) for _, m in self.layout.blocks]
         total = module_bytes(self.root)
         other = total - sum(sizes)
-        self.budget = self._budget(noise)
+        # the models ComfyUI loads with this one for this run (ControlNets, GLIGEN, model patches): never asked to
+        # make room, and their memory is not the streamed model's
+        self.alongside: list = []
+        self.budget_note = ""
+        self.budget = self._budget(noise, guider)
         cfg = state.request.config
         if cfg.packed and not packing_supported(patcher.load_device)[0]:
             cfg = replace(cfg, packed=False)     # no staging buffer to budget: weights will stream as stored
@@ -243,20 +247,44 @@ class _Session:
         return self.split.tail_tensors if self.split is not None else frozenset()
 
     # budget ----------------------------------------------------------------------------------
-    def _budget(self, noise) -> float:
+    def _budget(self, noise, guider=None) -> float:
+        """The VRAM this run's weights may take. An explicit budget as given; on auto, what ComfyUI's own load
+        would give this model: the free memory, plus what this model already holds and what the other loaded
+        models hold (ComfyUI unloads those to load a model that needs the room), minus this run's activations as
+        ComfyUI estimates them (reference latents of edit models and ControlNet inference memory included), the
+        models it loads alongside that are not loaded yet, and ComfyUI's minimum inference reserve."""
         req = self.state.request
+        self.alongside = sampling_models(self.patcher, guider)
         if req.budget_bytes is not None:
             return float(req.budget_bytes)
         import comfy.model_management as mm
         dev = self.patcher.load_device
         if mm.is_device_cpu(dev):
             return math.inf   # nothing to save on a CPU load device unless a budget was given
-        activations = 0
-        if noise is not None:
-            shape = [noise.shape[0] * 2] + list(noise.shape[1:])   # cond + uncond in one batch
-            activations = int(self.patcher.model.memory_required(shape))
-        free = mm.get_free_memory(dev) + self.patcher.loaded_size()
-        return max(0.0, free - activations - mm.minimum_inference_memory())
+        activations = sampling_activations(self.patcher, noise, guider)
+        own = self.patcher.loaded_size()
+        keep = {id(m) for m in self.alongside}
+        evictable = 0
+        for lm in list(mm.current_loaded_models):
+            m = getattr(lm, "model", None)
+            if (m is None or m is self.patcher or id(m) in keep or torch.device(lm.device) != torch.device(dev)
+                    or getattr(m, "model", None) is self.patcher.model):   # a clone's loaded size is this model's
+                continue
+            evictable += int(lm.model_loaded_memory())
+        alongside = 0
+        for m in self.alongside:
+            try:
+                if torch.device(m.load_device) == torch.device(dev):
+                    alongside += max(0, int(m.model_size()) - int(m.loaded_size()))
+            except (AttributeError, TypeError, RuntimeError):
+                continue
+        free = mm.get_free_memory(dev)
+        reserve = mm.minimum_inference_memory()
+        budget = max(0.0, free + own + evictable - activations - alongside - reserve)
+        self.budget_note = (f"auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
+                            f"ComfyUI may unload {_gb(evictable)} - activations {_gb(activations)} - models loaded "
+                            f"with it {_gb(alongside)} - ComfyUI's reserve {_gb(reserve)}")
+        return budget
 
     # scoped ComfyUI overrides ------------------------------------------------------------------
     def install_load_overrides(self) -> None:
@@ -375,8 +403,10 @@ class _Session:
             budget = max(0, int(budget))
             import comfy.model_management as mm
             if not mm.is_device_cpu(dev):
-                # ask ComfyUI for the slots' room before taking it, from other models: this one is in use
-                keep = [lm for lm in mm.current_loaded_models if getattr(lm, "model", None) is self.patcher]
+                # ask ComfyUI for the slots' room before taking it, from other models: this one and the models it
+                # runs with (a ControlNet) are in use
+                used = {id(self.patcher), *(id(m) for m in self.alongside)}
+                keep = [lm for lm in mm.current_loaded_models if id(getattr(lm, "model", None)) in used]
                 mm.free_memory(budget, dev, keep_loaded=keep)
         # ComfyUI holds the resident part (whole blocks, or the tails of split blocks) through its
         # own load list; the engine streams exactly the rest, in whole-block (head) groups.
@@ -484,6 +514,8 @@ class _Session:
                 f"most {_gb(self.split.cap)} ({_gb(self.streamed_bytes)} in all)")
         head = (f"GroupPrefetch: {len(self.layout.blocks)} {self.layout.architecture} blocks; {kept}; "
                 f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
+        if self.budget_note:
+            head += f"\n{self.budget_note}."
         if dynamic_vram_active():
             head += "\n" + legacy_under_dynamic_line(self.patcher)
         if self.unloaded_stale:
@@ -525,7 +557,7 @@ class PrefetchState:
             send_to_node(HOOKS_LINE, self.node_id)
             return executor(*args, **kwargs)
         noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
-        session = _Session(self, patcher, noise)
+        session = _Session(self, patcher, noise, guider)
         if session.too_small and self.request.budget_bytes is not None:
             need, budget = session.too_small
             raise BudgetExceeded(need, int(budget), "GroupPrefetch (vram_budget_gb)",
@@ -557,6 +589,41 @@ class PrefetchState:
             # BaseModel.apply_model's executor arguments: x, t, c_concat, c_crossattn, control, transformer_options
             s.handle.route_key = route_key(args[5] if len(args) > 5 else kwargs.get("transformer_options"))
         return executor(*args, **kwargs)
+
+
+def sampling_models(patcher, guider) -> list:
+    """The models ComfyUI loads with ``patcher`` for this sampling run (``comfy.sampler_helpers``' own lists:
+    ControlNets and GLIGEN in the conditioning, models registered by hooks, nested additional models)."""
+    try:
+        import comfy.sampler_helpers as sh
+        conds = getattr(guider, "conds", None) or {}
+        models = list(sh.get_additional_models(conds, patcher.model_dtype())[0])
+        models += sh.get_additional_models_from_model_options(getattr(guider, "model_options", None))
+        nested = getattr(patcher, "get_nested_additional_models", None)
+        models += list(nested()) if callable(nested) else []
+        return [m for m in models if m is not patcher]
+    except Exception as e:          # a planning aid: a conditioning this ComfyUI cannot read is not an error here
+        log.info("levers: GroupPrefetch could not list the models loaded with this one (%s: %s)", type(e).__name__, e)
+        return []
+
+
+def sampling_activations(patcher, noise, guider) -> int:
+    """The activation bytes ComfyUI reserves for this run: its own ``estimate_memory`` (cond and uncond batched,
+    reference latents of edit models counted) plus the ControlNets' inference memory; the noise-only estimate
+    on a ComfyUI without it."""
+    if noise is None:
+        return 0
+    shape = list(noise.shape)
+    try:
+        import comfy.sampler_helpers as sh
+        conds = getattr(guider, "conds", None) or {}
+        estimate = getattr(sh, "estimate_memory", None)
+        if callable(estimate) and conds:
+            inference = sh.get_additional_models(conds, patcher.model_dtype())[1]
+            return int(estimate(patcher, shape, conds)[0] + inference)
+    except Exception as e:          # fall back to the noise-only estimate below
+        log.info("levers: GroupPrefetch used the noise-only activation estimate (%s: %s)", type(e).__name__, e)
+    return int(patcher.model.memory_required([shape[0] * 2] + shape[1:]))     # cond + uncond in one batch
 
 
 def route_key(transformer_options: Any) -> Any:

@@ -65,9 +65,11 @@ class LeversGroupPrefetch(io.ComfyNode):
                              tooltip="Groups at the start of the model that stay in VRAM. 0 = stream every block. "
                                      "-1 = auto: as many as fit the budget after the slots."),
                 io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25,
-                               tooltip="VRAM (GiB) for this model's weights: resident part + slots. 0 = auto: ComfyUI's "
-                                       "free memory minus the activations of the batch being sampled (or the plan's "
-                                       "budget when a plan is connected)."),
+                               tooltip="VRAM (GiB) for this model's weights: resident part + slots. 0 = auto: what "
+                                       "ComfyUI's own load would give this model (free memory plus what other loaded "
+                                       "models hold, which ComfyUI unloads for it) minus this run's activations as "
+                                       "ComfyUI estimates them (reference latents and ControlNets included) and the "
+                                       "models loaded with it; or the plan's budget when a plan is connected."),
                 io.Boolean.Input("packed_bf16", default=False,
                                  tooltip="Stream bf16 weights losslessly packed: about 12 bits per weight instead of "
                                          "16 (sign+mantissa byte, 4-bit exponent code, rare escapes), unpacked on the "

@@ -526,7 +526,7 @@ def test_a_budget_that_cannot_hold_the_slots_is_decided_before_comfyui_loads(com
     model = tiny_wan.load_model()
     ref = tiny_wan.sample(model)["samples"]
     comfy_env.mm.unload_all_models()
-    monkeypatch.setattr(bp._Session, "_budget", lambda self, noise: 1024.0 ** 2)       # 1 MiB of free VRAM
+    monkeypatch.setattr(bp._Session, "_budget", lambda self, noise, guider=None: 1024.0 ** 2)   # 1 MiB free VRAM
     clone, _, state = _prefetch(comfy_env, model, vram_budget_gb=0.0)
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
     assert state.last_stats is None and "ComfyUI loads it itself this run" in state.last_report, state.last_report
@@ -537,3 +537,121 @@ def test_a_budget_that_cannot_hold_the_slots_is_decided_before_comfyui_loads(com
     for p in (model, clone):
         assert not {"_load_list", "load", "model_size"} & set(vars(p))
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)
+
+
+def _spy_auto_budget(monkeypatch, env, free: int):
+    """Record the auto budget each run computes as if its load device were a GPU with ``free`` bytes free; the run
+    itself goes on with the CPU's (infinite) budget. Returns the list of (budget, session) it fills."""
+    import math
+
+    import comfyui_levers.bridge.prefetch as bp
+
+    seen, original = [], bp._Session._budget
+
+    def spy(self, noise, guider=None):
+        with monkeypatch.context() as m:
+            m.setattr(env.mm, "is_device_cpu", lambda device: False)
+            m.setattr(env.mm, "get_free_memory", lambda *a, **k: free)
+            seen.append((original(self, noise, guider), self))
+        return math.inf
+    monkeypatch.setattr(bp._Session, "_budget", spy)
+    return seen
+
+
+def test_auto_budget_is_what_comfyuis_own_load_would_give_this_model(comfy_env, tiny_wan, monkeypatch):
+    """Auto budget = free + what this model holds + what other loaded models hold (ComfyUI unloads those for a model
+    that needs the room: a text encoder or VAE left loaded no longer makes the DiT stream more) - this run's
+    activations as ComfyUI estimates them - models ComfyUI loads alongside (not yet loaded) - its reserve. The
+    models loaded alongside are never asked to make room for the slots."""
+    import comfy.model_patcher
+    import comfy.sampler_helpers as sh
+    from torch import nn
+
+    mm = comfy_env.mm
+    mm.unload_all_models()
+    vae = tiny_wan.load_vae()
+    tiny_wan.decode(vae, tiny_wan.empty_latent())
+    vae_bytes = next(lm.model_loaded_memory() for lm in mm.current_loaded_models if lm.model is vae.patcher)
+    assert vae_bytes > 0, "the decoded VAE stays loaded: another model's memory ComfyUI may unload"
+    extra = comfy.model_patcher.ModelPatcher(nn.Linear(64, 64), load_device=torch.device("cpu"),
+                                             offload_device=torch.device("cpu"))
+    model = tiny_wan.load_model()
+    model.set_additional_models("levers_test", [extra])    # loaded by ComfyUI with the model (as model patches are)
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=-1, vram_budget_gb=0.0)
+    free = 3 * 1024 ** 3
+    seen = _spy_auto_budget(monkeypatch, comfy_env, free)
+    tiny_wan.sample(clone)
+    (budget, session), = seen
+    assert [m.model for m in session.alongside] == [extra.model]     # the clone's copy of it
+    pos, neg = tiny_wan.cond(0)
+    conds = {"positive": sh.convert_cond(pos), "negative": sh.convert_cond(neg)}
+    activations = sh.estimate_memory(clone, tiny_wan.empty_latent()["samples"].shape, conds)[0]
+    # the extra model was not loaded before this first run: all of it is still to load
+    want = free + vae_bytes - activations - extra.model_size() - mm.minimum_inference_memory()
+    assert budget == pytest.approx(want, abs=1024)
+    assert "other models ComfyUI may unload" in session.budget_note
+    # a loaded VAE raises the budget by its size (before, it lowered the budget the DiT streams within)
+    mm.unload_all_models()
+    tiny_wan.sample(clone)
+    assert seen[-1][0] == pytest.approx(want - vae_bytes, abs=1024)
+    # a model loaded alongside that is already loaded holds its memory already: not subtracted again; what this
+    # model holds loaded from the last run counts as its own
+    own = clone.loaded_size()
+    assert own > 0
+    tiny_wan.sample(clone)
+    assert seen[-1][0] == pytest.approx(want - vae_bytes + extra.model_size() + own, abs=1024)
+
+
+def test_auto_budget_counts_the_reference_latents_of_edit_models(comfy_env, monkeypatch):
+    """FLUX Kontext / Qwen-Image-Edit: the reference image's tokens join the sequence. ComfyUI's estimate counts
+    them; the budget must too, or the resident blocks leave no room for the longer sequence."""
+    from tiny_dits import tiny_flux
+
+    tiny = tiny_flux()
+    model = tiny.load()
+    comfy_env.mm.unload_all_models()
+    clone, _, _ = _prefetch(comfy_env, model, resident_groups=-1, vram_budget_gb=0.0)
+    seen = _spy_auto_budget(monkeypatch, comfy_env, 64 * 1024 ** 3)
+    tiny.sample(clone)
+    plain = seen[-1][0]
+    ref = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(5))
+    edit = [[c, {**d, "reference_latents": [ref]}] for c, d in tiny.pos]
+    import nodes
+
+    comfy_env.mm.unload_all_models()            # the same starting point: nothing of this model loaded
+    nodes.common_ksampler(clone, 0, 2, 2.0, "euler", "simple", edit, tiny.neg, tiny.latent)
+    with_ref = seen[-1][0]
+    extra = model.model.memory_required([2, 16, 8, 8], cond_shapes={"ref_latents": [[1, 16, 32 * 32]]}) - \
+        model.model.memory_required([2, 16, 8, 8])
+    assert extra > 0
+    assert plain - with_ref == pytest.approx(extra, rel=1e-6)
+
+
+def test_models_loaded_alongside_are_never_unloaded_for_the_slots(comfy_env, tiny_wan, monkeypatch):
+    """Before the engine takes its slots it asks ComfyUI to free room. A model ComfyUI loaded with this one for the
+    run (a ControlNet, a model patch) is in use: unloading it would leave its weights on the host mid-run."""
+    import comfy.model_patcher
+    from torch import nn
+
+    import comfyui_levers.bridge.prefetch as bp
+
+    mm = comfy_env.mm
+    mm.unload_all_models()
+    extra = comfy.model_patcher.ModelPatcher(nn.Linear(64, 64), load_device=torch.device("cpu"),
+                                             offload_device=torch.device("cpu"))
+    model = tiny_wan.load_model()
+    model.set_additional_models("levers_test", [extra])
+    clone, _, state = _prefetch(comfy_env, model)        # an explicit budget: the engine asks for its slots' room
+    calls, attach = [], bp._Session.attach
+
+    def spy(self):
+        with monkeypatch.context() as m:
+            m.setattr(mm, "is_device_cpu", lambda device: False)
+            m.setattr(mm, "free_memory", lambda need, device, keep_loaded=(): calls.append(list(keep_loaded)))
+            return attach(self)
+    monkeypatch.setattr(bp._Session, "attach", spy)
+    tiny_wan.sample(clone)
+    (keep,) = calls
+    kept = {id(lm.model.model) for lm in keep}
+    assert id(clone.model) in kept and id(extra.model) in kept, [type(lm.model.model).__name__ for lm in keep]
+    assert state.last_stats is not None and state.last_stats["streamed_groups"] >= 2
