@@ -343,6 +343,8 @@ def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
     if width is None:
         raise QualityCheckSkipped("the text-context width is neither in the model config "
                                   f"({', '.join(_CONTEXT_KEYS)}) nor readable from a text-input layer")
+    if callable(getattr(model.diffusion_model, "separate_audio_and_video_latents", None)):
+        width *= 2            # LTX-2 (audio-video): the video and the audio caption side by side
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
     context = torch.randn(1, tokens, width, generator=g)
@@ -398,7 +400,7 @@ def _conds_from_model(patcher, inputs, seed: int = 0):
     unet_config = getattr(model.model_config, "unet_config", {}) or {}
     g = torch.Generator().manual_seed(seed + 1)
     kwargs = dict(cross_attn=context, attention_mask=torch.ones(1, context.shape[1], dtype=torch.long), noise=x,
-                  device=torch.device("cpu"), latent_image=x)
+                  device=torch.device("cpu"), latent_image=x, latent_shapes=[x.shape])   # as the sampler passes
     pooled = next((unet_config[k] for k in ("vec_in_dim", "adm_in_channels", "text_emb_dim", "pooled_projection_dim")
                    if isinstance(unet_config.get(k), int)), None)
     if pooled:

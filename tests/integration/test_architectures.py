@@ -59,7 +59,7 @@ def _assert_streamed_every_byte(state, architecture):
 
 
 ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": "flux", "sd3": "sd3",
-        "ltxv": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream"}
+        "ltxv": "ltxv_qwen", "ltxav": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])

@@ -148,6 +148,23 @@ def tiny_ltxv() -> TinyDiT:
     return TinyDiT("ltxv", load, pos, neg, {"samples": torch.zeros(1, 128, 2, 4, 4)})
 
 
+def tiny_ltxav() -> TinyDiT | None:
+    """LTX-2 (audio-video, ``LTXAV``): 4 blocks, video width 128 and audio width 64, each block with video, audio
+    and cross-modal attention; context is the video and the audio caption side by side (64 + 64). Sampled
+    video-only, as the model allows. Through ``supported_models`` (the loader's detection fixes the audio width)."""
+    import comfy.supported_models as sm
+
+    if not hasattr(sm, "LTXAV"):
+        return None
+    config = {"image_model": "ltxav", "num_layers": 4, "attention_head_dim": 4, "num_attention_heads": 32,
+              "cross_attention_dim": 128, "audio_attention_head_dim": 4, "audio_num_attention_heads": 16,
+              "audio_cross_attention_dim": 64, "caption_channels": 64}
+    mask = torch.ones(1, 8, dtype=torch.long)
+    pos, neg = _conds(8, 128, 1, attention_mask=mask)
+    return TinyDiT("ltxav", lambda: _patcher_from_config(sm.LTXAV, config, seed=0), pos, neg,
+                   {"samples": torch.zeros(1, 128, 2, 4, 4)})
+
+
 def tiny_qwen_image() -> TinyDiT:
     """Qwen-Image, 4 blocks of width 64 (the loader's detection fixes width 3072)."""
     import comfy.supported_models as sm
@@ -208,5 +225,5 @@ def tiny_hidream() -> TinyDiT:
 
 
 BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
-            "sd3": tiny_sd3, "ltxv": tiny_ltxv, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
+            "sd3": tiny_sd3, "ltxv": tiny_ltxv, "ltxav": tiny_ltxav, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
             "zimage": tiny_zimage, "hidream": tiny_hidream}
