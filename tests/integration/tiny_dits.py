@@ -158,7 +158,9 @@ def tiny_ltxav() -> TinyDiT | None:
         return None
     config = {"image_model": "ltxav", "num_layers": 4, "attention_head_dim": 4, "num_attention_heads": 32,
               "cross_attention_dim": 128, "audio_attention_head_dim": 4, "audio_num_attention_heads": 16,
-              "audio_cross_attention_dim": 64, "caption_channels": 64}
+              "audio_cross_attention_dim": 64, "caption_channels": 64,
+              # ComfyUI 0.33's text-embedding connectors (unused on a processed context), at the same tiny width
+              "connector_attention_head_dim": 4, "connector_num_attention_heads": 16, "connector_num_layers": 1}
     mask = torch.ones(1, 8, dtype=torch.long)
     pos, neg = _conds(8, 128, 1, attention_mask=mask)
     return TinyDiT("ltxav", lambda: _patcher_from_config(sm.LTXAV, config, seed=0), pos, neg,
