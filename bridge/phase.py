@@ -248,6 +248,15 @@ def _phase_class(base: type) -> type:
     return cls
 
 
+def adopt_moved_masters(patcher) -> None:
+    """Another Levers node just rebound some of ``patcher``'s weights to new host memory (GroupPrefetch's arena):
+    make those the masters now, so the old host copies (and their page-locking) go now rather than at the
+    component's next load (until then both were held: about 1.5x the model in host RAM for its first run)."""
+    comp = _component(patcher)
+    if comp is not None and comp.table is not None and comp.swaps(patcher)[0]:
+        comp.table.capture()
+
+
 def install(patcher, comp: Component) -> None:
     """Make ``patcher`` (a clone we own) phase-managed."""
     patcher.__class__ = _phase_class(type(patcher))
@@ -959,7 +968,7 @@ def report_text(group: PhaseGroup) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ATTACHMENT", "Component", "PhaseEntry", "PhaseGroup", "PhaseOutputs", "PhaseSettings", "RunLedger", "apply",
+__all__ = ["ATTACHMENT", "Component", "adopt_moved_masters", "PhaseEntry", "PhaseGroup", "PhaseOutputs", "PhaseSettings", "RunLedger", "apply",
            "format_ledger", "is_dynamic", "latest_ledger", "ledger_destinations", "ledger_dir", "live_ledgers",
            "parse_device", "progress_text_channel", "remove_phase_offload", "report_text", "retype_text_encoder",
            "send_to_node", "wrap_vae", "write_ledger_json"]

@@ -396,6 +396,8 @@ class _Session:
         patched = self._patch_streamed_keys()
         transport = make_transport(dev)
         store = self._store(transport, patched)
+        from .phase import adopt_moved_masters
+        adopt_moved_masters(self.patcher)       # PhaseOffload before this node: its masters are the arena now
         bandwidth = self._bandwidth(transport, store)
         budget = self.budget - (module_bytes(self.root) - self.streamed_bytes) if not math.isinf(self.budget) \
             else AUTO

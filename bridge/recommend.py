@@ -173,28 +173,10 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
         notes.append("no preset and no MODEL connected: planning for flux1-dev")
     upd: dict = {}
     if model is not None:
-        dm = model.model.diffusion_model
-        params, nbytes, by_dtype = _param_stats(dm)
-        blocks = _blocks(dm)
-        block_params = sum(_param_stats(b)[0] for b in blocks)
-        scale = params / spec.dit_params if spec.dit_params else 1.0
-        upd.update(dit_params=float(params), dit_kept_params=spec.dit_kept_params * scale,
-                   modulation_params=spec.modulation_params * scale, hidden=_hidden(dm),
-                   n_blocks=max(1, len(blocks)), block_fraction=(block_params / params) if params and blocks else 0.9,
-                   dit_dtype_bytes=max(1, round(nbytes / max(1, params))), measured=True)
-        stored = _stored(dm, blocks)
-        upd.update(stored)
-        if stored:
-            notes.append(f"diffusion model already quantized: {stored['dit_stored']}, {nbytes / GiB:.2f} GiB as "
-                         "stored (planned that way)")
-        if family:
-            upd["family"] = family
-        upd["name"] = f"{spec.name} (measured: {params / 1e9:.2f} B params, " + \
-            ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in by_dtype.items()) + ")"
-        notes.append(f"diffusion model measured: {params / 1e9:.3f} B params in {len(blocks)} blocks, "
-                     + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in by_dtype.items()))
+        upd, more, _ = _measure_dit(model, spec, family)
+        notes.extend(more)
     if model_2 is not None:
-        upd, more = _second_expert(model, model_2, dataclasses.replace(spec, **upd), upd)
+        upd, more = _second_expert(model, model_2, spec, family, upd)
         notes.extend(more)
     if clip is not None:
         params, nbytes, _ = _param_stats(clip.cond_stage_model)
@@ -212,34 +194,54 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
     return dataclasses.replace(spec, **upd), notes
 
 
-def _second_expert(model, model_2, first: ModelSpec, upd: dict) -> tuple[dict, list[str]]:
-    """``upd`` with ``model_2`` counted as a second expert of ``first`` (its own measurement): one expert on the GPU
-    at a time, so the larger one's numbers stand for both; notes say what was done."""
-    family, _ = _family(model)
-    family_2, _ = _family(model_2)
-    if family_2 != family:
-        return upd, [f"model_2 is a {family_2} model, not a second {family} expert: planned without it (plan it "
-                     "with its own Recommend)"]
+def _measure_dit(model, spec: ModelSpec, family: str | None) -> tuple[dict, list[str], int]:
+    """(ModelSpec fields measured from ``model``'s diffusion model, notes, the bytes it holds)."""
+    dm = model.model.diffusion_model
+    params, nbytes, by_dtype = _param_stats(dm)
+    blocks = _blocks(dm)
+    block_params = sum(_param_stats(b)[0] for b in blocks)
+    scale = params / spec.dit_params if spec.dit_params else 1.0
+    upd = dict(dit_params=float(params), dit_kept_params=spec.dit_kept_params * scale,
+               modulation_params=spec.modulation_params * scale, hidden=_hidden(dm),
+               n_blocks=max(1, len(blocks)), block_fraction=(block_params / params) if params and blocks else 0.9,
+               dit_dtype_bytes=max(1, round(nbytes / max(1, params))), measured=True)
+    notes = []
+    stored = _stored(dm, blocks)
+    upd.update(stored)
+    if stored:
+        notes.append(f"diffusion model already quantized: {stored['dit_stored']}, {nbytes / GiB:.2f} GiB as "
+                     "stored (planned that way)")
+    if family:
+        upd["family"] = family
+    upd["name"] = f"{spec.name} (measured: {params / 1e9:.2f} B params, " + \
+        ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in by_dtype.items()) + ")"
+    notes.append(f"diffusion model measured: {params / 1e9:.3f} B params in {len(blocks)} blocks, "
+                 + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in by_dtype.items()))
+    return upd, notes, nbytes
+
+
+def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dict) -> tuple[dict, list[str]]:
+    """``upd`` (``model``'s measurement over ``spec``) with ``model_2`` counted as a second expert: one expert on the
+    GPU at a time, so the one that holds more bytes is measured for both; notes say what was done."""
+    fam, _ = _family(model)
+    fam_2, _ = _family(model_2)
+    if fam_2 != fam:
+        return upd, [f"model_2 is a {fam_2} model, not a second {fam} expert: planned without it (plan it with its "
+                     "own Recommend)"]
     if model_2.model.diffusion_model is model.model.diffusion_model:
         return upd, ["model_2 is the same diffusion model as model: planned once"]
-    dm = model_2.model.diffusion_model
-    params, nbytes, _ = _param_stats(dm)
-    blocks = _blocks(dm)
-    stored = _stored(dm, blocks)
-    bytes_1 = first.dit_stored_bytes or int(first.dit_params * first.dit_dtype_bytes)
-    upd = {**upd, "experts": max(2, first.experts)}
-    notes = [f"model_2 measured: {params / 1e9:.3f} B params, {nbytes / GiB:.2f} GiB; planned as a second expert "
-             "(one diffusion model on the GPU at a time, both in host RAM)"]
-    if nbytes > bytes_1:
-        # the larger expert is the one that must fit: plan with its numbers
-        upd.update(dit_params=float(params), dit_dtype_bytes=max(1, round(nbytes / max(1, params))),
-                   n_blocks=max(1, len(blocks)), hidden=_hidden(dm))
-        for key in ("dit_stored_bytes", "dit_stored", "dit_stored_precision"):
-            upd.pop(key, None)
-        upd.update(stored)
-        notes.append("model_2 is the larger of the two: its size is planned for both")
-    if bool(stored) != bool(first.dit_stored):
+    bytes_1 = _param_stats(model.model.diffusion_model)[1]
+    upd_2, _, bytes_2 = _measure_dit(model_2, spec, family)
+    notes = [f"model_2 measured: {upd_2['dit_params'] / 1e9:.3f} B params, {bytes_2 / GiB:.2f} GiB; planned as a "
+             "second expert (one diffusion model on the GPU at a time, both in host RAM)"]
+    if bool(upd.get("dit_stored")) != bool(upd_2.get("dit_stored")):
         notes.append("only one of the two models is already quantized: a QuantizeDiT plan applies to the other")
+    if bytes_2 > bytes_1:
+        # the larger expert is the one that must fit: every measured number is its own
+        kept = {k: v for k, v in upd.items() if k not in upd_2 and not k.startswith("dit_stored")}
+        upd = {**kept, **upd_2}
+        notes.append("model_2 is the larger of the two (in bytes): its measurement is planned for both")
+    upd["experts"] = max(2, spec.experts)
     return upd, notes
 
 

@@ -350,7 +350,13 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
     if dit.residency in (Residency.PHASE, Residency.STREAMED):
         moves += dit_res / bw_pin if dit.residency is Residency.STREAMED else dit.weight_bytes / bw_pin
     if spec.experts > 1:
-        moves += (spec.experts - 1) * dit.weight_bytes / bw_pin if dit.residency is not Residency.STREAMED else 0
+        # experts take turns on the GPU: each loads (its resident part, when streamed) once per generation; the
+        # first expert's load of a phase or streamed DiT is counted above
+        if dit.residency is Residency.STREAMED:
+            moves += (spec.experts - 1) * dit_res / bw_pin
+        else:
+            loads = spec.experts - 1 if dit.residency is Residency.PHASE else spec.experts
+            moves += loads * dit.weight_bytes / bw_pin
     if vae_res is Residency.PHASE:
         moves += vae_w / bw_pin
     extra = dit.extra_seconds_per_gen + te.extra_seconds + moves
@@ -440,11 +446,10 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
 
 
 def _host_need(spec, machine, c: _Candidate) -> int:
-    """Host bytes a plan keeps: the DiT (every expert; the ones not on the GPU when it stays resident), the text
-    encoder when it is not resident, the VAE."""
+    """Host bytes a plan keeps: the DiT (every expert, the one on the GPU included: PhaseOffload keeps a host master
+    of each), the text encoder when it is not resident, the VAE."""
     vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
-    copies = spec.experts - 1 if c.dit.residency is Residency.RESIDENT else spec.experts
-    return (c.dit.weight_bytes * copies + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
+    return (c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
             + vae_w)
 
 
@@ -452,9 +457,10 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     gpu = machine.gpu
     bf16 = gpu.bf16
     vae_w = int(spec.vae_params * (2 if bf16 else 4))
-    # a resident DiT stays on the GPU; with experts, the ones not sampling wait in host RAM
-    resident = c.dit.residency is Residency.RESIDENT
-    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * (spec.experts - 1 if resident else spec.experts),
+    # the pinned set: a single resident DiT moves nothing; experts swap at every generation, and PhaseOffload keeps
+    # (and pins) a host master of each, the one on the GPU included
+    moves = c.dit.residency is not Residency.RESIDENT or spec.experts > 1
+    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * spec.experts if moves else 0,
             Component.TEXT_ENCODER: c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
             Component.VAE: vae_w if c.vae_residency is Residency.PHASE else 0}
     pin_total = sum(host.values())
@@ -617,4 +623,5 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> 
     return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
                 components=comps, activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl),
                 overhead_bytes=OVERHEAD_BYTES, predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
-                notes=tuple(notes), workload=workload, machine=mdict)
+                notes=tuple(notes), workload=workload, machine=mdict,
+                host_bytes=int(wb * spec.experts + comps[1].weight_bytes + vae_w), experts=spec.experts)

@@ -75,7 +75,7 @@ class LeversPhaseOffload(io.ComfyNode):
             outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
                      io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report"),
                      io.Model.Output(display_name="MODEL_2",
-                                     tooltip="The managed clone of model_2 (empty when model_2 is not connected).")],
+                                     tooltip="The managed clone of model_2 (without model_2, a node using it stops with a message saying so).")],
             hidden=[io.Hidden.unique_id],   # the per-phase ledger is shown on this node after its phases
         )
 
@@ -87,7 +87,20 @@ class LeversPhaseOffload(io.ComfyNode):
         m, c, v, group, m2 = apply(model, clip, vae, settings, node_id=getattr(hidden, "unique_id", None),
                                    model_2=model_2)
         report = report_text(group)
+        if m2 is None:
+            m2 = _unconnected_model_2()
         return io.NodeOutput(m, c, v, report, m2, ui=ui.PreviewText(report))
+
+
+def _unconnected_model_2():
+    """What MODEL_2 carries without a model_2 input: ComfyUI stops a node that uses it with this message (instead
+    of a sampler failing on None)."""
+    try:
+        from comfy_execution.graph_utils import ExecutionBlocker
+    except ImportError:
+        return None
+    return ExecutionBlocker("PhaseOffload's MODEL_2 output is used but its model_2 input is not connected: connect "
+                            "the second diffusion model (Wan 2.2's low-noise expert) to model_2, or sample with MODEL")
 
 
 NODES = [LeversPhaseOffload]

@@ -368,13 +368,19 @@ def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
     a, b = plan(one, wl, tight), plan(two, wl, tight)
     assert a.diffusion_model.precision is Precision.BF16
     assert b.diffusion_model.precision is Precision.FP8_E4M3FN and b.host_bytes <= 48 * GiB
-    # a card that holds one expert resident: the other one is the host's (pinned when RAM allows); with one
-    # expert the host keeps no DiT copy
+    # a card that holds one expert resident: the experts still take turns (a phase each), each loaded once per
+    # generation, with a host master of each (PhaseOffload keeps both, pinned when RAM allows); one resident
+    # expert moves nothing
     big = machine(141, ram=256)
     a, b = plan(one, wl, big), plan(two, wl, big)
-    assert a.diffusion_model.residency is b.diffusion_model.residency is Residency.RESIDENT
+    assert a.diffusion_model.residency is Residency.RESIDENT and b.diffusion_model.residency is Residency.PHASE
     assert not a.diffusion_model.pin and b.diffusion_model.pin
     assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    swaps = 2 * b.diffusion_model.weight_bytes / (big.bandwidth.pinned_gbps * 1e9)
+    assert b.predicted_extra_seconds - a.predicted_extra_seconds == pytest.approx(swaps, abs=0.02)
+    # nothing fits: the plan still says it is two experts, and what the host would hold
+    none = plan(two, Workload(1920, 1080, 241, 20), machine(4, ram=256))
+    assert not none.fits and none.experts == 2 and none.host_bytes > 2 * none.diffusion_model.weight_bytes
     # no GPU: both experts in RAM
     cpu = synthetic_machine(vram_gb=0, ram_gb=512)
     a, b = plan(one, wl, cpu), plan(two, wl, cpu)

@@ -137,9 +137,16 @@ def test_a_second_expert_is_planned_one_at_a_time_with_both_in_host_ram():
     m = synthetic_machine(vram_gb=24, ram_gb=256, h2d_gbps=25)
     a, b = plan(one, Workload(1024, 1024), m), plan(two, Workload(1024, 1024), m)
     assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
-    # the larger expert sets the plan (here: the second, in fp32)
-    big, notes = measure(high, model_2=_patcher(_Flux()))
+    assert not any("larger" in n for n in notes), "experts of the same size: neither is the larger"
+    # the larger expert sets the plan (here: the second, in fp32): every measured number is its own
+    larger = _patcher(_Flux())
+    big, notes = measure(high, model_2=larger)
+    alone, _ = measure(larger)
     assert big.experts == 2 and big.dit_dtype_bytes == 4 and any("larger" in n for n in notes)
+    for f in ("dit_params", "dit_kept_params", "modulation_params", "block_fraction", "dit_dtype_bytes", "hidden",
+              "n_blocks", "dit_stored_bytes", "name"):
+        assert getattr(big, f) == getattr(alone, f), f
+
     # a second model that is not another expert of the same family is left out, with a note
     other, notes = measure(high, model_2=_patcher(nn.Sequential(nn.Linear(D, D))))
     assert other.experts == 1 and any("not a second flux expert" in n for n in notes)

@@ -29,10 +29,12 @@ def _node(env):
 
 
 def _run_node(env, model, clip=None, vae=None, **kw):
-    """MODEL, CLIP, VAE, report (MODEL_2, the fifth output, is None without model_2)."""
+    """MODEL, CLIP, VAE, report (MODEL_2, the fifth output, blocks its users without model_2)."""
+    from comfy_execution.graph_utils import ExecutionBlocker
+
     out = _node(env).execute(model, clip, vae, **kw)
     args = out.args if hasattr(out, "args") else out.result
-    assert len(args) == 5 and args[4] is None
+    assert len(args) == 5 and isinstance(args[4], ExecutionBlocker) and "model_2" in args[4].message
     return args[:4]
 
 

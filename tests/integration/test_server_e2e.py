@@ -459,3 +459,14 @@ def test_example_graph_structure_runs_on_tiny_models(server, run, object_info, b
     ref_latent, _ = _baseline(run, object_info, baseline)
     reloaded = run(wan_graph(object_info, unet=new[0].name, nonce=9, prefix="reloaded"))
     assert psnr(ref_latent, latent_of(reloaded)) >= LATENT_PSNR_MIN["fp8_e4m3fn"]
+
+
+def test_model_2_used_without_its_input_stops_with_a_message_naming_it(run, object_info):
+    """PhaseOffload's MODEL_2 wired to a sampler while model_2 is unconnected: ComfyUI stops that sampler with the
+    node's message (not an AttributeError on None from inside the sampler)."""
+    _require(object_info, "LeversPhaseOffload")
+    api = wan_graph(object_info, model_chain=[("LeversPhaseOffload", {})], nonce=77, prefix="model2")
+    api["13"]["inputs"]["model"] = ["4", list(object_info["LeversPhaseOffload"]["output_name"]).index("MODEL_2")]
+    result = run(api, expect="error")
+    detail = C.format_execution_error(result.error, result.status)
+    assert "model_2 input is not connected" in detail, detail

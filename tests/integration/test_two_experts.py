@@ -51,6 +51,10 @@ def _sample(env, tiny_wan, high, low, seed=0):
     return ks.sample(low, "disable", seed, STEPS, 3.5, "euler", "simple", pos, neg, mid, SWITCH, 10000, "disable")[0]
 
 
+def _storage(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
 def _loaded(env, patcher) -> bool:
     return any(lm.model is not None and lm.model.model is patcher.model for lm in env.mm.current_loaded_models)
 
@@ -100,7 +104,8 @@ def test_phase_offload_gives_each_expert_the_device_alone_bit_identical(comfy_en
 def test_group_prefetch_on_each_expert_after_phase_offload(comfy_env, tiny_wan, experts):
     """The shipped Wan 2.2 layout: PhaseOffload (model, model_2) then a GroupPrefetch on each expert. Each streams
     its own blocks (its own host arena), the other expert is released, output bit-identical."""
-    from comfyui_levers.bridge.prefetch import prefetch_state
+    from comfyui_levers.bridge.phase import ATTACHMENT
+    from comfyui_levers.bridge.prefetch import _STORES, prefetch_state
     from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
 
     load_high, load_low = experts
@@ -111,9 +116,16 @@ def test_group_prefetch_on_each_expert_after_phase_offload(comfy_env, tiny_wan, 
     settings = dict(blocks_per_group=1, prefetch_depth=1, resident_groups=1, vram_budget_gb=1.0)
     a, _ = _args(prefetch.execute(m, **settings))
     b, _ = _args(prefetch.execute(m2, **settings))
+    group = m.attachments[ATTACHMENT].group
     for _ in range(2):
         assert torch.equal(_sample(comfy_env, tiny_wan, a, b)["samples"], ref)
         assert _loaded(comfy_env, b) and not _loaded(comfy_env, a)
+        # one host copy per expert from the first run on: PhaseOffload's masters of the streamed blocks are
+        # GroupPrefetch's arena (before, the first run held both: about 1.5x an expert)
+        for patcher, name in ((m, "diffusion_model"), (m2, "diffusion_model_2")):
+            masters = {_storage(x.host) for x in group.components[name].table.masters.values()}
+            arenas = {_storage(t) for t in _STORES[patcher.model.diffusion_model][1].arenas.values()}
+            assert sum(n for _, n in masters | arenas) <= 1.01 * module_bytes(patcher.model)
         for clone in (a, b):
             stats = prefetch_state(clone).last_stats
             assert stats is not None, prefetch_state(clone).last_report
