@@ -34,6 +34,9 @@ def _add_recommend(sub) -> None:
     p.add_argument("--steps", type=_positive_int)
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--no-cfg", action="store_true", help="no negative prompt (one DiT pass per step)")
+    p.add_argument("--references", type=int, default=0,
+                   help="reference images at the output size an edit model reads (FLUX Kontext, Qwen-Image-Edit): "
+                        "their tokens join the sequence")
     p.add_argument("--vram-gb", type=float, help="plan for a card with this much memory (GiB); 0 plans for the CPU")
     p.add_argument("--ram-gb", type=float, help="host RAM available (GiB)")
     p.add_argument("--h2d-gbps", type=float, help="host->GPU bandwidth (GB/s) instead of measuring")
@@ -51,7 +54,7 @@ def _run_recommend(args) -> int:
     spec = get_preset(args.model)
     wl = Workload(width=args.width or spec.default_width, height=args.height or spec.default_height,
                   frames=args.frames or spec.default_frames, steps=args.steps or spec.default_steps,
-                  batch=args.batch, cfg=not args.no_cfg)
+                  batch=args.batch, cfg=not args.no_cfg, references=args.references)
     if args.vram_gb is None and args.ram_gb is None and args.h2d_gbps is None:
         machine = probe()
     else:

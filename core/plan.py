@@ -36,12 +36,17 @@ class Workload:
     steps: int = 28
     batch: int = 1
     cfg: bool = True    # a negative prompt doubles the DiT batch (unless guidance-distilled)
+    references: int = 0  # reference images at the output size whose tokens join the sequence (FLUX Kontext,
+                         # Qwen-Image-Edit, FLUX 2 multi-reference)
 
     def validate(self) -> "Workload":
         for name in ("width", "height", "frames", "steps", "batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(name, v, "a positive integer")
+        if not isinstance(self.references, int) or not 0 <= self.references <= 16:
+            raise ConfigError("references", self.references, "an integer from 0 to 16",
+                              "The number of reference images an edit model reads (0 for text-to-image).")
         if self.width % 8 or self.height % 8:
             raise ConfigError("width/height", (self.width, self.height), "multiples of 8",
                               "Latents are 1/8 of the image size; round to a multiple of 8 (e.g. 1024).")
@@ -75,11 +80,18 @@ def dit_weight_bytes(spec: ModelSpec, precision: Precision, quantize_modulation:
     return int(quantized * bytes_per_param(precision) + kept * 2 + scales)
 
 
+def sequence_tokens(spec: ModelSpec, wl: Workload) -> int:
+    """Image (or video) tokens of one sequence, with the reference images' tokens an edit model appends (each
+    reference at the output size: Kontext's and Qwen-Image-Edit's usual setting)."""
+    n = spec.tokens(wl.width, wl.height, wl.frames)
+    return n + wl.references * spec.image_tokens(wl.width, wl.height, 1)
+
+
 def activation_bytes(spec: ModelSpec, wl: Workload) -> int:
     """One denoising pass's live activations (seed 000): tokens x (d + 3d + 4d) x 2 B, two copies in flight.
 
     One pass, not cond + uncond: ComfyUI splits the CFG batch into separate passes when memory is short."""
-    n = spec.tokens(wl.width, wl.height, wl.frames)
+    n = sequence_tokens(spec, wl)
     per_layer = n * 8 * spec.hidden * 2
     return int(per_layer * 2 * wl.batch)
 
@@ -106,7 +118,7 @@ def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, 
 
 def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
     """(linear, attention) FLOPs of one step. Modulation linears see one token, so they are left out."""
-    n = spec.tokens(wl.width, wl.height, wl.frames)
+    n = sequence_tokens(spec, wl)
     tokenwise = spec.dit_params - spec.modulation_params
     mult = wl.batch * dit_passes(spec, wl)
     return 2 * tokenwise * n * mult, 4 * spec.n_blocks * n * n * spec.hidden * mult
@@ -415,7 +427,8 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
                      f"{decoded + spec.vae_temporal}); planned for {wl.frames}")
     act = activation_bytes(spec, wl)
     workload = {"width": wl.width, "height": wl.height, "frames": wl.frames if spec.is_video else 1,
-                "steps": wl.steps, "batch": wl.batch, "tokens": spec.tokens(wl.width, wl.height, wl.frames),
+                "steps": wl.steps, "batch": wl.batch, "tokens": sequence_tokens(spec, wl),
+                "references": wl.references,
                 "dit_passes_per_step": dit_passes(spec, wl)}
     mdict = {"gpu": machine.gpu.name if machine.gpu else None, "vram_bytes": machine.gpu.total_bytes if machine.gpu else 0,
              "ram_available_bytes": machine.ram_available_bytes, "os": machine.os,

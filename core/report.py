@@ -15,6 +15,8 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
     target = f"{m.get('gpu')} ({gib(plan.vram_bytes)})" if plan.vram_bytes else "CPU only"
     wl = plan.workload
     shape = f"{wl.get('width')}x{wl.get('height')}" + (f"x{wl['frames']}f" if wl.get("frames", 1) > 1 else "")
+    if wl.get("references"):
+        shape += f" + {wl['references']} reference image{'s' if wl['references'] > 1 else ''}"
     lines.append(f"Levers plan: {plan.model} at {shape}, {wl.get('steps')} steps, batch {wl.get('batch')} "
                  f"on {target}; goal {plan.goal}")
     lines.append("")

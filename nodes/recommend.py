@@ -45,18 +45,23 @@ class LeversRecommend(io.ComfyNode):
                                tooltip="A second diffusion model sampled after the first (Wan 2.2 A14B: the "
                                        "low-noise expert). Planned as a second expert: one on the GPU at a time, "
                                        "both in host RAM."),
+                io.Int.Input("reference_images", default=0, min=0, max=16, optional=True,
+                             tooltip="Reference images an edit model reads, each at the output size (FLUX Kontext, "
+                                     "Qwen-Image-Edit, FLUX 2 references): their tokens join the sequence, so "
+                                     "activations and step time grow. 0 for text-to-image or video."),
             ],
             outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
         )
 
     @classmethod
     def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
-                model=None, clip=None, vae=None, model_2=None) -> io.NodeOutput:
+                model=None, clip=None, vae=None, model_2=None, reference_images=0) -> io.NodeOutput:
         spec, notes = measure(model, clip, vae, preset=model_preset, model_2=model_2)
         machine = machine_for_comfy()
         if vram_gb or ram_gb:
             machine = synthetic_machine(vram_gb or None, ram_gb or None, None, base=machine)
-        result = plan(spec, Workload(width=width, height=height, frames=frames, steps=steps, batch=batch), machine, goal)
+        result = plan(spec, Workload(width=width, height=height, frames=frames, steps=steps, batch=batch,
+                                     references=int(reference_images or 0)), machine, goal)
         if notes:
             import dataclasses
 

@@ -30,6 +30,17 @@ def test_recommend_json_has_the_documented_fields(capsys):
     assert d["predicted_peak_bytes"] < 16 * 2**30 and d["fits"] is True
 
 
+def test_recommend_plans_the_reference_images_of_an_edit_model(capsys):
+    argv = ("recommend", "--model", "flux1-dev", "--vram-gb", "16", "--ram-gb", "64", "--h2d-gbps", "25")
+    _, plain, _ = run(capsys, *argv, "--json")
+    code, edit, _ = run(capsys, *argv, "--references", "2", "--json")
+    assert code == 0
+    plain, edit = json.loads(plain), json.loads(edit)
+    assert edit["workload"]["references"] == 2 and edit["activation_bytes"] > 2 * plain["activation_bytes"]
+    _, text, _ = run(capsys, *argv, "--references", "2")
+    assert "+ 2 reference images" in text
+
+
 def test_recommend_without_overrides_probes_this_machine(capsys):
     code, out, _ = run(capsys, "recommend", "--model", "sdxl", "--json")
     assert code == 0
@@ -52,6 +63,7 @@ def test_recommend_text_report_has_a_table(capsys):
     (("recommend", "--vram-gb", "-1"), "negative"),
     (("recommend", "--ram-gb", "0", "--vram-gb", "8"), "positive"),
     (("recommend", "--width", "1001", "--vram-gb", "8"), "multiple"),
+    (("recommend", "--references", "-1", "--vram-gb", "8"), "references"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv, needle):
     code, _, err = run(capsys, *argv)

@@ -387,3 +387,29 @@ def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
     assert b.vram_bytes == 0
     assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
     assert Plan.from_dict(json.loads(b.to_json())).experts == 2
+
+
+def test_reference_images_of_edit_models_join_the_sequence():
+    """FLUX Kontext / Qwen-Image-Edit: each reference image's tokens are appended to the image tokens, so one
+    reference at the output size doubles the activations and the linear FLOPs and quadruples attention."""
+    from comfyui_levers.core.plan import sequence_tokens, step_flops
+    from comfyui_levers.core.report import format_plan
+
+    spec = get_preset("flux1-dev")
+    plain, edit = Workload(1024, 1024, 1, 28), Workload(1024, 1024, 1, 28, references=1)
+    text = spec.text_tokens                             # FLUX's joint sequence: 4096 image + 512 text tokens
+    assert sequence_tokens(spec, plain) == 4096 + text and sequence_tokens(spec, edit) == 2 * 4096 + text
+    n0, n1 = 4096 + text, 2 * 4096 + text
+    assert activation_bytes(spec, edit) * n0 == activation_bytes(spec, plain) * n1
+    (lin0, att0), (lin1, att1) = step_flops(spec, plain), step_flops(spec, edit)
+    assert lin1 * n0 == lin0 * n1 and att1 * n0 ** 2 == att0 * n1 ** 2
+    m = machine(16)
+    a, b = plan(spec, plain, m), plan(spec, edit, m)
+    assert b.activation_bytes * n0 == a.activation_bytes * n1
+    assert b.workload["predicted_step_seconds"] > a.workload["predicted_step_seconds"]
+    assert b.workload["references"] == 1 and "+ 1 reference image" in format_plan(b, m)
+    # three references at 2 MP on an 8 GiB card: the sequence no longer leaves room for the plain plan's blocks
+    big = Workload(1408, 1408, 1, 28, references=3)
+    assert plan(spec, big, machine(8)).predicted_peak_bytes > plan(spec, Workload(1408, 1408), machine(8)).predicted_peak_bytes
+    with pytest.raises(ConfigError, match="references"):
+        plan(spec, Workload(1024, 1024, references=-1), m)

@@ -38,6 +38,15 @@ def test_recommend_plans_for_a_given_card(comfy_env, tiny_wan):
     assert "predicted peak" in report
 
 
+def test_recommend_plans_reference_images(comfy_env):
+    node = _node(comfy_env)
+    plain, _ = node.execute("flux1-dev", 1024, 1024, 1, 28, 1, "balanced", 16.0, 64.0).result
+    edit, report = node.execute("flux1-dev", 1024, 1024, 1, 28, 1, "balanced", 16.0, 64.0,
+                                reference_images=1).result
+    assert edit.workload["references"] == 1 and edit.activation_bytes > 1.8 * plain.activation_bytes
+    assert "+ 1 reference image" in report
+
+
 def test_recommend_rejects_a_non_model(comfy_env, tiny_wan):
     node = _node(comfy_env)
     with pytest.raises(IncompatibleInput, match="Connect the MODEL output"):
