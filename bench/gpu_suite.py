@@ -2488,6 +2488,15 @@ def build_summary(results: dict) -> dict[str, Any]:
         None if ratio is None else ratio <= 1.0, bit_identical=cp.get("bit_identical"),
         definition="seconds per generation (encode + sample + decode) through PhaseOffload / ComfyUI's default "
                    "flow, same graph, same emulated budget, inside ComfyUI")
+    ex = cp.get("experts") or {}
+    ex_ratio = ex.get("ratio_total_time")
+    summary["phase_two_experts_in_comfy_vs_default"] = _metric(
+        rnd(ex_ratio, 3) if ex_ratio is not None else None,
+        _section_reason(results, "comfy_phase") or ex.get("reason") or "not measured", "<= 1.0",
+        None if ex_ratio is None else ex_ratio <= 1.0, bit_identical=ex.get("bit_identical"),
+        definition="seconds per generation (encode + two experts, half the steps each, as Wan 2.2 A14B + decode) "
+                   "through PhaseOffload with model_2 / ComfyUI's default flow, same graph, same emulated budget "
+                   "(one expert fits, not two), inside ComfyUI")
     gp = cp.get("group_prefetch") or {}
     gp_ratio = gp.get("ratio_time")
     summary["prefetch_in_comfy_vs_lowvram"] = _metric(
@@ -2756,6 +2765,15 @@ def render_markdown(results: dict) -> str:
             lines.append(f"| {name} | {_fmt(ph.get('default_s'), 3)} | {_fmt(ph.get('phase_offload_s'), 3)} | "
                          f"{_fmt(ph.get('default_peak_gib'))} | {_fmt(ph.get('phase_offload_peak_gib'))} | "
                          f"{_fmt(ph.get('phase_offload_peak_after_release_gib'))} |")
+        ex = cps.get("experts") or {}
+        if ex:
+            lines += ["", f"- two experts (Wan 2.2 A14B recipe, {ex.get('status')}): seconds per generation default "
+                          f"{_fmt(ex.get('default_total_s'), 3)}, PhaseOffload with model_2 "
+                          f"{_fmt(ex.get('phase_offload_total_s'), 3)} (ratio {_fmt(ex.get('ratio_total_time'))}); "
+                          f"bit-identical {_fmt(ex.get('bit_identical'))}; device->host GiB default "
+                          f"{_fmt(ex.get('default_d2h_gib'))} (estimate), PhaseOffload "
+                          f"{_fmt(ex.get('phase_offload_d2h_gib'))} (pointer-swapped "
+                          f"{_fmt(ex.get('phase_offload_swapped_gib'))})"]
     dyn = results.get("sections", {}).get("dynamic", {})
     if dyn.get("cases"):
         lines += ["", "## ComfyUI DynamicVRAM at the same budgets", "", dyn.get("note", ""), "",

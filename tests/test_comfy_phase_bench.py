@@ -99,6 +99,15 @@ def test_default_and_phase_offload_flows_in_comfyui(tmp_path):
         assert gg["levers_last_forward"]["h2d_bytes"] == gg["levers_stats"]["streamed_bytes_per_forward"] > 0
     else:
         assert gg["status"] == "skipped" and "COMFYUI_GGUF_PATH" in gg["reason"]
+    # Wan 2.2's two experts (KSamplerAdvanced, half the steps each): PhaseOffload with model_2 against ComfyUI's
+    # default flow, bit-identical, each expert with its own sampling phase in the ledger
+    ex = res["experts"]
+    assert ex["status"] == "ok", (ex.get("reason"), ex.get("traceback"))
+    assert ex["bit_identical"] is True and ex["ratio_total_time"] > 0
+    phases = [p["phase"] for p in ex["phase_offload"]["levers_run_ledger"]["phases"]]
+    assert phases == ["encode", "sample", "sample (model 2)", "decode"]
+    assert set(ex["default"]["phases"]) == {"encode", "sample", "sample_2", "decode"}
+    assert res["summary"]["experts"]["bit_identical"] is True
 
 
 class _FakeCuda:
