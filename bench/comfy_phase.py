@@ -805,24 +805,8 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
         return m, c, v, group
 
     state: dict[str, Any] = {}
-    images: dict[str, torch.Tensor | None] = {}
-    with emulated_card(mm, dev, budget):
-        try:
-            _unload_all(env, dev)
-            result["default"], images["default"] = run_flow(env, sc, dev, clock, "default", default_flow,
-                                                            latent_shape, phase_flow=False)
-            _unload_all(env, dev)
-            if result["default"]["status"] in ("ok", "oom", "error"):
-                clock.need(max(5.0, 1.5 * (result["default"].get("warmup_total_s") or 0)
-                               + 1.5 * (result["default"].get("total_s") or 0)), "PhaseOffload flow")
-                result["phase_offload"], images["phase"] = run_flow(env, sc, dev, clock, "phase_offload",
-                                                                    phase_flow, latent_shape, phase_flow=True)
-        finally:
-            _unload_all(env, dev)
-            for p in state.get("phase_outputs", ()):
-                if p is not None:
-                    with contextlib.suppress(Exception):
-                        bridge.remove_phase_offload(p if not hasattr(p, "patcher") else p.patcher)
+    images = default_then_phase(env, bridge, sc, dev, clock, budget, default_flow, phase_flow, latent_shape, "",
+                                result, lambda: state.get("phase_outputs", ()))
 
     if clock.left() > 20:         # its own emulated card: a quarter of the DiT fits
         result["group_prefetch"] = prefetch_in_comfy(env, sc, dev, clock, model, result)
@@ -849,6 +833,33 @@ def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | 
     return "partial"
 
 
+def default_then_phase(env, bridge, sc: Scale, dev: torch.device, clock: Clock, budget: int | None, default_flow,
+                       phase_flow, latent_shape, label: str, into: dict[str, Any],
+                       phase_outputs: Callable[[], Any]) -> dict[str, torch.Tensor | None]:
+    """ComfyUI's default flow, then the PhaseOffload flow, on one emulated card, each from an empty card; their
+    records go into ``into["default"]`` / ``into["phase_offload"]``, the phase outputs lose PhaseOffload after.
+    Returns the images of each ("default", "phase")."""
+    images: dict[str, torch.Tensor | None] = {}
+    with emulated_card(env.mm, dev, budget):
+        try:
+            _unload_all(env, dev)
+            into["default"], images["default"] = run_flow(env, sc, dev, clock, f"{label}default", default_flow,
+                                                          latent_shape, phase_flow=False)
+            _unload_all(env, dev)
+            if into["default"]["status"] in ("ok", "oom", "error"):
+                clock.need(max(5.0, 1.5 * (into["default"].get("warmup_total_s") or 0)
+                               + 1.5 * (into["default"].get("total_s") or 0)), f"{label}PhaseOffload flow")
+                into["phase_offload"], images["phase"] = run_flow(env, sc, dev, clock, f"{label}phase_offload",
+                                                                  phase_flow, latent_shape, phase_flow=True)
+        finally:
+            _unload_all(env, dev)
+            for p in phase_outputs():
+                if p is not None:
+                    with contextlib.suppress(Exception):
+                        bridge.remove_phase_offload(p if not hasattr(p, "patcher") else p.patcher)
+    return images
+
+
 def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool | None, float | None]:
     """(bitwise equal, max abs difference) of two outputs; NaNs (random weights) compare equal bit for bit."""
     if a is None or b is None:
@@ -865,7 +876,6 @@ def two_experts(env, bridge, sc: Scale, dev: torch.device, clock: Clock, budget:
     ``model_2``; ComfyUI unloads the expert it needs room from (a device->host copy), PhaseOffload swaps it back
     to its host master (0 bytes). Never raises: a failure is the record's status."""
     out: dict[str, Any] = {"status": "running"}
-    images: dict[str, torch.Tensor | None] = {}
     phase_outputs: list = []
     try:
         model_2 = env.nodes.UNETLoader().load_unet(unet_name, "default")[0]
@@ -878,22 +888,8 @@ def two_experts(env, bridge, sc: Scale, dev: torch.device, clock: Clock, budget:
             phase_outputs.extend((m, c, v, m2))
             return m, c, v, group, m2
 
-        with emulated_card(env.mm, dev, budget):
-            try:
-                _unload_all(env, dev)
-                out["default"], images["default"] = run_flow(env, sc, dev, clock, "experts default", default_flow,
-                                                             latent_shape, phase_flow=False)
-                _unload_all(env, dev)
-                clock.need(max(5.0, 1.5 * (out["default"].get("warmup_total_s") or 0)
-                               + 1.5 * (out["default"].get("total_s") or 0)), "two-experts PhaseOffload flow")
-                out["phase_offload"], images["phase"] = run_flow(env, sc, dev, clock, "experts phase_offload",
-                                                                 phase_flow, latent_shape, phase_flow=True)
-            finally:
-                _unload_all(env, dev)
-                for p in phase_outputs:
-                    if p is not None:
-                        with contextlib.suppress(Exception):
-                            bridge.remove_phase_offload(p if not hasattr(p, "patcher") else p.patcher)
+        images = default_then_phase(env, bridge, sc, dev, clock, budget, default_flow, phase_flow, latent_shape,
+                                    "experts ", out, lambda: phase_outputs)
         d, p = out.get("default") or {}, out.get("phase_offload") or {}
         if d.get("total_s") and p.get("total_s"):
             out["ratio_total_time"] = round(p["total_s"] / d["total_s"], 4)

@@ -2481,22 +2481,20 @@ def build_summary(results: dict) -> dict[str, Any]:
                    "the bus, unpacked on the GPU) / ComfyUI lowvram, s/step at the same budget, over budgets where "
                    "weights stream; each case must be bit-exact against the resident run")
     cp = (results.get("sections", {}).get("comfy_phase", {}) or {}).get("results") or {}
-    ratio = cp.get("ratio_total_time")
-    summary["phase_in_comfy_time_vs_default"] = _metric(
-        rnd(ratio, 3) if ratio is not None else None,
-        _section_reason(results, "comfy_phase") or cp.get("reason") or "not measured", "<= 1.0",
-        None if ratio is None else ratio <= 1.0, bit_identical=cp.get("bit_identical"),
-        definition="seconds per generation (encode + sample + decode) through PhaseOffload / ComfyUI's default "
-                   "flow, same graph, same emulated budget, inside ComfyUI")
-    ex = cp.get("experts") or {}
-    ex_ratio = ex.get("ratio_total_time")
-    summary["phase_two_experts_in_comfy_vs_default"] = _metric(
-        rnd(ex_ratio, 3) if ex_ratio is not None else None,
-        _section_reason(results, "comfy_phase") or ex.get("reason") or "not measured", "<= 1.0",
-        None if ex_ratio is None else ex_ratio <= 1.0, bit_identical=ex.get("bit_identical"),
-        definition="seconds per generation (encode + two experts, half the steps each, as Wan 2.2 A14B + decode) "
-                   "through PhaseOffload with model_2 / ComfyUI's default flow, same graph, same emulated budget "
-                   "(one expert fits, not two), inside ComfyUI")
+
+    def phase_flow_metric(rec: dict, definition: str) -> dict:
+        """PhaseOffload's seconds per generation over ComfyUI's default flow's, in ComfyUI."""
+        r = rec.get("ratio_total_time")
+        return _metric(rnd(r, 3) if r is not None else None,
+                       _section_reason(results, "comfy_phase") or rec.get("reason") or "not measured", "<= 1.0",
+                       None if r is None else r <= 1.0, bit_identical=rec.get("bit_identical"), definition=definition)
+    summary["phase_in_comfy_time_vs_default"] = phase_flow_metric(
+        cp, "seconds per generation (encode + sample + decode) through PhaseOffload / ComfyUI's default flow, same "
+            "graph, same emulated budget, inside ComfyUI")
+    summary["phase_two_experts_in_comfy_vs_default"] = phase_flow_metric(
+        cp.get("experts") or {}, "seconds per generation (encode + two experts, half the steps each, as Wan 2.2 A14B "
+                                 "+ decode) through PhaseOffload with model_2 / ComfyUI's default flow, same graph, "
+                                 "same emulated budget (one expert fits, not two), inside ComfyUI")
     gp = cp.get("group_prefetch") or {}
     gp_ratio = gp.get("ratio_time")
     summary["prefetch_in_comfy_vs_lowvram"] = _metric(
