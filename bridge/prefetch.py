@@ -206,6 +206,7 @@ class _Session:
         # make room, and their memory is not the streamed model's
         self.alongside: list = []
         self.budget_note = ""
+        self.run_room = 0        # what ComfyUI keeps free for this run beside the weights (activations, reserve)
         self.budget = self._budget(noise, guider)
         cfg = state.request.config
         if cfg.packed and not packing_supported(patcher.load_device)[0]:
@@ -249,26 +250,32 @@ class _Session:
     # budget ----------------------------------------------------------------------------------
     def _budget(self, noise, guider=None) -> float:
         """The VRAM this run's weights may take. An explicit budget as given; on auto, what ComfyUI's own load
-        would give this model: the free memory, plus what this model already holds and what the other loaded
-        models hold (ComfyUI unloads those to load a model that needs the room), minus this run's activations as
-        ComfyUI estimates them (reference latents of edit models and ControlNet inference memory included), the
-        models it loads alongside that are not loaded yet, and ComfyUI's minimum inference reserve."""
+        makes room for: the free memory, plus what this model already holds and what the other loaded models hold
+        (ComfyUI unloads those for a model that needs the room), minus the models it loads alongside that are not
+        loaded yet and the room ComfyUI keeps free for the run (``max(minimum inference memory, this run's
+        activations as ComfyUI estimates them + its extra reserve)``, reference latents and ControlNet inference
+        memory included). ``run_room`` is kept free again when the engine takes its slots."""
         req = self.state.request
         self.alongside = sampling_models(self.patcher, guider)
-        if req.budget_bytes is not None:
-            return float(req.budget_bytes)
         import comfy.model_management as mm
         dev = self.patcher.load_device
-        if mm.is_device_cpu(dev):
-            return math.inf   # nothing to save on a CPU load device unless a budget was given
+        if mm.is_device_cpu(dev):   # nothing to save on a CPU load device unless a budget was given
+            return float(req.budget_bytes) if req.budget_bytes is not None else math.inf
         activations = sampling_activations(self.patcher, noise, guider)
+        extra_reserved = getattr(mm, "extra_reserved_memory", lambda: 0)()
+        self.run_room = int(max(mm.minimum_inference_memory(), activations + extra_reserved))
+        if req.budget_bytes is not None:
+            return float(req.budget_bytes)
         own = self.patcher.loaded_size()
-        keep = {id(m) for m in self.alongside}
+        in_use = {id(m) for m in self.alongside}
+        # a clone of this model, or of a model loaded with it, is ComfyUI's same weights: it detaches the clone and
+        # keeps them loaded
+        same_weights = {id(self.patcher.model), *(id(getattr(m, "model", None)) for m in self.alongside)}
         evictable = 0
         for lm in list(mm.current_loaded_models):
             m = getattr(lm, "model", None)
-            if (m is None or m is self.patcher or id(m) in keep or torch.device(lm.device) != torch.device(dev)
-                    or getattr(m, "model", None) is self.patcher.model):   # a clone's loaded size is this model's
+            if (m is None or m is self.patcher or id(m) in in_use or torch.device(lm.device) != torch.device(dev)
+                    or id(getattr(m, "model", None)) in same_weights):
                 continue
             evictable += int(lm.model_loaded_memory())
         alongside = 0
@@ -279,11 +286,10 @@ class _Session:
             except (AttributeError, TypeError, RuntimeError):
                 continue
         free = mm.get_free_memory(dev)
-        reserve = mm.minimum_inference_memory()
-        budget = max(0.0, free + own + evictable - activations - alongside - reserve)
+        budget = max(0.0, free + own + evictable - alongside - self.run_room)
         self.budget_note = (f"auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
-                            f"ComfyUI may unload {_gb(evictable)} - activations {_gb(activations)} - models loaded "
-                            f"with it {_gb(alongside)} - ComfyUI's reserve {_gb(reserve)}")
+                            f"ComfyUI may unload {_gb(evictable)} - models loaded with it {_gb(alongside)} - room "
+                            f"ComfyUI keeps for the run {_gb(self.run_room)} (activations {_gb(activations)})")
         return budget
 
     # scoped ComfyUI overrides ------------------------------------------------------------------
@@ -409,7 +415,9 @@ class _Session:
                 # runs with (a ControlNet) are in use
                 used = {id(self.patcher), *(id(m) for m in self.alongside)}
                 keep = [lm for lm in mm.current_loaded_models if id(getattr(lm, "model", None)) in used]
-                mm.free_memory(budget, dev, keep_loaded=keep)
+                # the slots and the room the run needs beside the weights (ComfyUI's own load freed only what
+                # the resident part and the run need, not the slots)
+                mm.free_memory(budget + self.run_room, dev, keep_loaded=keep)
         # ComfyUI holds the resident part (whole blocks, or the tails of split blocks) through its
         # own load list; the engine streams exactly the rest, in whole-block (head) groups.
         cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False,
@@ -594,8 +602,9 @@ class PrefetchState:
 
 
 def sampling_models(patcher, guider) -> list:
-    """The models ComfyUI loads with ``patcher`` for this sampling run (``comfy.sampler_helpers``' own lists:
-    ControlNets and GLIGEN in the conditioning, models registered by hooks, nested additional models)."""
+    """The models ComfyUI loads with ``patcher`` for this sampling run, once each (``comfy.sampler_helpers``' own
+    lists: ControlNets and GLIGEN in the conditioning, models registered by hooks, nested additional models; and,
+    as ``load_models_gpu`` adds them, every model's model patches)."""
     try:
         import comfy.sampler_helpers as sh
         conds = getattr(guider, "conds", None) or {}
@@ -603,7 +612,10 @@ def sampling_models(patcher, guider) -> list:
         models += sh.get_additional_models_from_model_options(getattr(guider, "model_options", None))
         nested = getattr(patcher, "get_nested_additional_models", None)
         models += list(nested()) if callable(nested) else []
-        return [m for m in models if m is not patcher]
+        for m in [patcher, *models]:      # load_models_gpu also loads each model's model patches (ControlNet patches)
+            patches = getattr(m, "model_patches_models", None)
+            models += list(patches()) if callable(patches) else []
+        return list({id(m): m for m in models if m is not patcher}.values())     # once each, as ComfyUI loads them
     except Exception as e:          # a planning aid: a conditioning this ComfyUI cannot read is not an error here
         log.info("levers: GroupPrefetch could not list the models loaded with this one (%s: %s)", type(e).__name__, e)
         return []

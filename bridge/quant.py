@@ -343,8 +343,14 @@ def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
     if width is None:
         raise QualityCheckSkipped("the text-context width is neither in the model config "
                                   f"({', '.join(_CONTEXT_KEYS)}) nor readable from a text-input layer")
-    if callable(getattr(model.diffusion_model, "separate_audio_and_video_latents", None)):
-        width *= 2            # LTX-2 (audio-video): the video and the audio caption side by side
+    dm = model.diffusion_model
+    if callable(getattr(dm, "separate_audio_and_video_latents", None)):
+        # LTX-2 (audio-video) takes the video and the audio context side by side: each the caption width (LTX-2.0),
+        # or, when the caption projection runs before the text connectors (LTX-2.3), each its stream's width
+        if getattr(dm, "caption_proj_before_connector", False):
+            width = int(dm.cross_attention_dim + dm.audio_cross_attention_dim)
+        else:
+            width = int(getattr(dm, "caption_channels", width)) * 2
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
     context = torch.randn(1, tokens, width, generator=g)

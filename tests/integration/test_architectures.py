@@ -161,3 +161,22 @@ def test_auto_plan_streamed_tensors_are_read_from_the_slots(comfy_env, tiny, mon
         for name in streamed:
             tensors[name].mul_(2)
     torch.testing.assert_close(out, tiny.sample(doubled, steps=2), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", [{}, {"caption_proj_before_connector": True},
+                                    {"caption_proj_before_connector": True, "caption_projection_first_linear": False,
+                                     "caption_channels": 192}], ids=["ltx2.0", "ltx2.3", "ltx2.3-no-first-linear"])
+def test_quantize_quality_check_drives_every_ltx2_layout(comfy_env, layout):
+    """LTX-2.0 takes the video and audio context at the caption width each; LTX-2.3 (caption projection before the
+    text connectors) at each stream's own width. Found in review: the check was skipped on LTX-2.3 (a split of the
+    context into the wrong widths)."""
+    from tiny_dits import tiny_ltxav
+
+    tiny = tiny_ltxav(**layout)
+    if tiny is None:
+        pytest.skip(f"this ComfyUI ({comfy_env.version}) has no LTX-2 model class")
+    model = tiny.load()
+    if layout and not getattr(model.model.diffusion_model, "caption_proj_before_connector", False):
+        pytest.skip(f"this ComfyUI ({comfy_env.version}) has no LTX-2.3 layout")
+    _, report = _result(_node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn"))[:2]
+    assert "quality check: output PSNR" in report, report

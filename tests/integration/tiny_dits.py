@@ -148,7 +148,7 @@ def tiny_ltxv() -> TinyDiT:
     return TinyDiT("ltxv", load, pos, neg, {"samples": torch.zeros(1, 128, 2, 4, 4)})
 
 
-def tiny_ltxav() -> TinyDiT | None:
+def tiny_ltxav(**layout) -> TinyDiT | None:
     """LTX-2 (audio-video, ``LTXAV``): 4 blocks, video width 128 and audio width 64, each block with video, audio
     and cross-modal attention; context is the video and the audio caption side by side (64 + 64). Sampled
     video-only, as the model allows. Through ``supported_models`` (the loader's detection fixes the audio width)."""
@@ -160,7 +160,8 @@ def tiny_ltxav() -> TinyDiT | None:
               "cross_attention_dim": 128, "audio_attention_head_dim": 4, "audio_num_attention_heads": 16,
               "audio_cross_attention_dim": 64, "caption_channels": 64,
               # ComfyUI 0.33's text-embedding connectors (unused on a processed context), at the same tiny width
-              "connector_attention_head_dim": 4, "connector_num_attention_heads": 16, "connector_num_layers": 1}
+              "connector_attention_head_dim": 4, "connector_num_attention_heads": 16, "connector_num_layers": 1,
+              **layout}
     mask = torch.ones(1, 8, dtype=torch.long)
     pos, neg = _conds(8, 128, 1, attention_mask=mask)
     return TinyDiT("ltxav", lambda: _patcher_from_config(sm.LTXAV, config, seed=0), pos, neg,
