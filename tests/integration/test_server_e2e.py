@@ -33,6 +33,7 @@ API_DIR = ROOT / "example_workflows" / "api"
 LEVERS_NODES = ("LeversRecommend", "LeversQuantizeDiT", "LeversPhaseOffload", "LeversGroupPrefetch",
                 "LeversTiledVAEDecode", "LeversLoadQuantizedDiT")
 UNET = "levers_e2e_wan21.safetensors"
+UNET_LOW = "levers_e2e_wan21_low_noise.safetensors"      # a second expert (another tiny Wan 2.1 DiT)
 VAE = "levers_e2e_wan21_vae.safetensors"
 WIDTH = HEIGHT = 64
 FRAMES = 5
@@ -58,6 +59,7 @@ def server(comfy_env, tmp_path_factory):
     dit = tiny_wan_dit_state_dict(dim=512, ffn_dim=1024, num_layers=8, seed=11)
     save(dit, str(srv.models_dir / "diffusion_models" / UNET))
     save(tiny_wan_vae_state_dict(seed=12), str(srv.models_dir / "vae" / VAE))
+    save(tiny_wan_dit_state_dict(seed=13), str(srv.models_dir / "diffusion_models" / UNET_LOW))
     srv.model_bytes = sum(t.numel() * t.element_size() for t in dit.values())
     srv.start()
     yield srv
@@ -470,3 +472,46 @@ def test_model_2_used_without_its_input_stops_with_a_message_naming_it(run, obje
     result = run(api, expect="error")
     detail = C.format_execution_error(result.error, result.status)
     assert "model_2 input is not connected" in detail, detail
+
+
+def _two_experts_graph(object_info, *, phase: bool, nonce: int, prefix: str, low_noise: str = UNET_LOW) -> dict:
+    """Wan 2.2's recipe on two tiny DiTs (the experts): KSamplerAdvanced steps 0-2 on the first (leftover noise
+    kept), 2-4 on the second; with ``phase`` both go through PhaseOffload (model, model_2)."""
+    api = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": UNET, "weight_dtype": "default"}},
+        "2": {"class_type": "LeversTestNonce", "inputs": {"model": ["1", 0], "nonce": nonce}},
+        "21": {"class_type": "UNETLoader", "inputs": {"unet_name": low_noise, "weight_dtype": "default"}},
+        "22": {"class_type": "LeversTestNonce", "inputs": {"model": ["21", 0], "nonce": nonce + 1}},
+        "10": {"class_type": "LeversTestConditioning", "inputs": {"seed": 100, "tokens": 8, "dim": 4096, "scale": 1.0}},
+        "11": {"class_type": "LeversTestConditioning", "inputs": {"seed": 200, "tokens": 8, "dim": 4096, "scale": 0.1}},
+        "12": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": WIDTH, "height": HEIGHT, "length": FRAMES,
+                                                                   "batch_size": 1}},
+    }
+    high, low = ["2", 0], ["22", 0]
+    if phase:
+        api["4"] = levers_node(object_info, "LeversPhaseOffload", model=["2", 0], model_2=["22", 0])
+        names = list(object_info["LeversPhaseOffload"]["output_name"])
+        high, low = ["4", names.index("MODEL")], ["4", names.index("MODEL_2")]
+    common = {"noise_seed": 0, "steps": 4, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+              "positive": ["10", 0], "negative": ["11", 0]}
+    api["13"] = {"class_type": "KSamplerAdvanced", "inputs": {
+        **common, "model": high, "add_noise": "enable", "latent_image": ["12", 0], "start_at_step": 0,
+        "end_at_step": 2, "return_with_leftover_noise": "enable"}}
+    api["14"] = {"class_type": "KSamplerAdvanced", "inputs": {
+        **common, "model": low, "add_noise": "disable", "latent_image": ["13", 0], "start_at_step": 2,
+        "end_at_step": 10000, "return_with_leftover_noise": "disable"}}
+    api["15"] = {"class_type": "SaveLatent", "inputs": {"samples": ["14", 0], "filename_prefix": f"latents/{prefix}"}}
+    assert C.validate_api(api, object_info) == []
+    return api
+
+
+def test_two_experts_through_phase_offload_in_a_real_server(run, object_info):
+    """PhaseOffload's MODEL_2 through ComfyUI's executor (output slot, caching, two KSamplerAdvanced): the latent is
+    bit-identical to the same graph without the node, twice."""
+    _require(object_info, "LeversPhaseOffload")
+    ref = latent_of(run(_two_experts_graph(object_info, phase=False, nonce=300, prefix="experts-ref")))
+    one = latent_of(run(_two_experts_graph(object_info, phase=False, nonce=302, prefix="experts-one", low_noise=UNET)))
+    assert not torch.equal(one, ref), "the second expert must change the output for this test to mean much"
+    for i in range(2):
+        got = latent_of(run(_two_experts_graph(object_info, phase=True, nonce=310 + 2 * i, prefix=f"experts-{i}")))
+        assert torch.equal(got, ref)
