@@ -693,6 +693,8 @@ def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_roo
     import comfy.sampler_helpers as sh
     from torch import nn
 
+    from comfyui_levers.core.residency.blocks import module_bytes
+
     mm = comfy_env.mm
     mib = 1024 ** 2
     mm.unload_all_models()
@@ -730,11 +732,24 @@ def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_roo
     free_at_forward = []
     hook = clone.model.diffusion_model.blocks[-1].register_forward_hook(
         lambda *a: free_at_forward.append(mm.get_free_memory(torch.device("cpu"))))
+    # what the engine asks ComfyUI to free for its slots, and the room the run needs beside them
+    import comfyui_levers.bridge.prefetch as bp
+    asked, attach, free_memory = [], bp._Session.attach, mm.free_memory
+
+    def spy(self):
+        with monkeypatch.context() as m:
+            m.setattr(mm, "free_memory", lambda need, device, keep_loaded=[]: (
+                asked.append((need, self.budget - (module_bytes(self.root) - self.streamed_bytes), self.run_room)),
+                free_memory(need, device, keep_loaded=keep_loaded))[1])
+            return attach(self)
+    monkeypatch.setattr(bp._Session, "attach", spy)
     try:
         tiny_wan.sample(clone)
     finally:
         hook.remove()
     assert state.last_stats is not None and state.last_stats["streamed_groups"] >= 1, state.last_report
+    (need, slot_room, run_room), = asked
+    assert run_room >= int(activations) and need >= slot_room + run_room
     assert free_at_forward[0] >= activations, (free_at_forward[0] / mib, activations / mib, state.last_report)
 
 
