@@ -765,7 +765,7 @@ def build_models(env, sc: Scale, tmp: Path, result: dict[str, Any],
 
 def load_and_run(env, bridge, sc: Scale, dev: torch.device, budget_gib: float | None, clock: Clock, tmp: Path,
                   result: dict[str, Any], names: tuple[str, str, str], te_config: dict[str, Any]) -> str:
-    nodes, mm, sizes = env.nodes, env.mm, result["sizes"]
+    nodes, sizes = env.nodes, result["sizes"]
     unet_name, vae_name, te_name = names
 
     t0 = time.perf_counter()

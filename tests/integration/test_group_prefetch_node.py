@@ -561,6 +561,23 @@ def _spy_auto_budget(monkeypatch, env, free: int):
     return seen
 
 
+def _kept_for_the_slots(monkeypatch, env, run) -> list:
+    """``run()`` with the engine's request for its slots' room recorded (as if its device were a GPU): the
+    keep_loaded list of each request."""
+    import comfyui_levers.bridge.prefetch as bp
+
+    calls, attach = [], bp._Session.attach
+
+    def spy(self):
+        with monkeypatch.context() as m:
+            m.setattr(env.mm, "is_device_cpu", lambda device: False)
+            m.setattr(env.mm, "free_memory", lambda need, device, keep_loaded=(): calls.append(list(keep_loaded)))
+            return attach(self)
+    monkeypatch.setattr(bp._Session, "attach", spy)
+    run()
+    return calls
+
+
 def test_auto_budget_is_what_comfyuis_own_load_would_give_this_model(comfy_env, tiny_wan, monkeypatch):
     """Auto budget = free + what this model holds + what other loaded models hold (ComfyUI unloads those for a model
     that needs the room: a text encoder or VAE left loaded no longer makes the DiT stream more) - models ComfyUI
@@ -667,16 +684,7 @@ def test_auto_budget_counts_model_patches_and_each_controlnet_once(comfy_env, ti
     assert session.budget == pytest.approx(want, abs=16)
     # the patch model, once loaded, is kept when the engine frees room for its slots
     clone, _, pstate = _prefetch(comfy_env, model)
-    calls, attach = [], bp._Session.attach
-
-    def spy(self):
-        with monkeypatch.context() as m:
-            m.setattr(mm, "is_device_cpu", lambda device: False)
-            m.setattr(mm, "free_memory", lambda need, device, keep_loaded=(): calls.append(list(keep_loaded)))
-            return attach(self)
-    monkeypatch.setattr(bp._Session, "attach", spy)
-    tiny_wan.sample(clone)
-    (keep,) = calls
+    (keep,) = _kept_for_the_slots(monkeypatch, comfy_env, lambda: tiny_wan.sample(clone))
     kept = sorted(type(lm.model.model).__name__ for lm in keep)      # the clone carries its own copy of the patch
     assert kept == ["Linear", "WAN21"], kept
 
@@ -785,8 +793,6 @@ def test_models_loaded_alongside_are_never_unloaded_for_the_slots(comfy_env, tin
     import comfy.model_patcher
     from torch import nn
 
-    import comfyui_levers.bridge.prefetch as bp
-
     mm = comfy_env.mm
     mm.unload_all_models()
     extra = comfy.model_patcher.ModelPatcher(nn.Linear(64, 64), load_device=torch.device("cpu"),
@@ -794,16 +800,7 @@ def test_models_loaded_alongside_are_never_unloaded_for_the_slots(comfy_env, tin
     model = tiny_wan.load_model()
     model.set_additional_models("levers_test", [extra])
     clone, _, state = _prefetch(comfy_env, model)        # an explicit budget: the engine asks for its slots' room
-    calls, attach = [], bp._Session.attach
-
-    def spy(self):
-        with monkeypatch.context() as m:
-            m.setattr(mm, "is_device_cpu", lambda device: False)
-            m.setattr(mm, "free_memory", lambda need, device, keep_loaded=(): calls.append(list(keep_loaded)))
-            return attach(self)
-    monkeypatch.setattr(bp._Session, "attach", spy)
-    tiny_wan.sample(clone)
-    (keep,) = calls
+    (keep,) = _kept_for_the_slots(monkeypatch, comfy_env, lambda: tiny_wan.sample(clone))
     kept = {id(lm.model.model) for lm in keep}
     assert id(clone.model) in kept and id(extra.model) in kept, [type(lm.model.model).__name__ for lm in keep]
     assert state.last_stats is not None and state.last_stats["streamed_groups"] >= 2
