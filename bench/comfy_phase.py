@@ -944,7 +944,7 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
         return lat, round(time.perf_counter() - t0, 4), peak
 
     def same(a, b):
-        return bool(a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+        return bool(_same_bits(a, b)[0])
 
     with emulated_card(mm, dev, card):
         try:

@@ -968,7 +968,8 @@ def report_text(group: PhaseGroup) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ATTACHMENT", "Component", "adopt_moved_masters", "PhaseEntry", "PhaseGroup", "PhaseOutputs", "PhaseSettings", "RunLedger", "apply",
+__all__ = ["ATTACHMENT", "Component", "PhaseEntry", "PhaseGroup", "PhaseOutputs", "PhaseSettings", "RunLedger",
+           "adopt_moved_masters", "apply",
            "format_ledger", "is_dynamic", "latest_ledger", "ledger_destinations", "ledger_dir", "live_ledgers",
            "parse_device", "progress_text_channel", "remove_phase_offload", "report_text", "retype_text_encoder",
            "send_to_node", "wrap_vae", "write_ledger_json"]

@@ -173,10 +173,10 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
         notes.append("no preset and no MODEL connected: planning for flux1-dev")
     upd: dict = {}
     if model is not None:
-        upd, more, _ = _measure_dit(model, spec, family)
+        upd, more, dit_bytes = _measure_dit(model, spec, family)
         notes.extend(more)
     if model_2 is not None:
-        upd, more = _second_expert(model, model_2, spec, family, upd)
+        upd, more = _second_expert(model, model_2, spec, family, upd, dit_bytes)
         notes.extend(more)
     if clip is not None:
         params, nbytes, _ = _param_stats(clip.cond_stage_model)
@@ -220,9 +220,11 @@ def _measure_dit(model, spec: ModelSpec, family: str | None) -> tuple[dict, list
     return upd, notes, nbytes
 
 
-def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dict) -> tuple[dict, list[str]]:
-    """``upd`` (``model``'s measurement over ``spec``) with ``model_2`` counted as a second expert: one expert on the
-    GPU at a time, so the one that holds more bytes is measured for both; notes say what was done."""
+def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dict,
+                   bytes_1: int) -> tuple[dict, list[str]]:
+    """``upd`` (``model``'s measurement over ``spec``; it holds ``bytes_1``) with ``model_2`` counted as a second
+    expert: one expert on the GPU at a time, so the one that holds more bytes is measured for both; notes say what
+    was done."""
     fam, _ = _family(model)
     fam_2, _ = _family(model_2)
     if fam_2 != fam:
@@ -230,7 +232,6 @@ def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dic
                      "own Recommend)"]
     if model_2.model.diffusion_model is model.model.diffusion_model:
         return upd, ["model_2 is the same diffusion model as model: planned once"]
-    bytes_1 = _param_stats(model.model.diffusion_model)[1]
     upd_2, _, bytes_2 = _measure_dit(model_2, spec, family)
     notes = [f"model_2 measured: {upd_2['dit_params'] / 1e9:.3f} B params, {bytes_2 / GiB:.2f} GiB; planned as a "
              "second expert (one diffusion model on the GPU at a time, both in host RAM)"]

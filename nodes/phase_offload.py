@@ -75,7 +75,8 @@ class LeversPhaseOffload(io.ComfyNode):
             outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
                      io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report"),
                      io.Model.Output(display_name="MODEL_2",
-                                     tooltip="The managed clone of model_2 (without model_2, a node using it stops with a message saying so).")],
+                                     tooltip="The managed clone of model_2 (without model_2, a node using it stops "
+                                             "with a message saying so).")],
             hidden=[io.Hidden.unique_id],   # the per-phase ledger is shown on this node after its phases
         )
 
