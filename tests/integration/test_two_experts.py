@@ -71,8 +71,9 @@ def test_phase_offload_gives_each_expert_the_device_alone_bit_identical(comfy_en
     assert not torch.equal(ref, high_only), "the low-noise expert must change the output for this test to mean much"
     comfy_env.mm.unload_all_models()
 
-    m, _, v, report, m2 = _args(_node(comfy_env, "LeversPhaseOffload").execute(load_high(), None, vae,
-                                                                                 model_2=load_low()))
+    high_in, low_in = load_high(), load_low()
+    stock = type(low_in)
+    m, _, v, report, m2 = _args(_node(comfy_env, "LeversPhaseOffload").execute(high_in, None, vae, model_2=low_in))
     assert m2 is not None and m2.model is not m.model
     assert "diffusion_model_2" in report
     group = m.attachments[ATTACHMENT].group
@@ -99,6 +100,10 @@ def test_phase_offload_gives_each_expert_the_device_alone_bit_identical(comfy_en
     assert led["totals"]["d2h_bytes"] == 0
     loads = {r["component"]: r["h2d"] for r in led["records"] if r["kind"] == "load"}
     assert loads.get("diffusion_model", 0) > 0 and loads.get("diffusion_model_2", 0) > 0
+    # the input models are untouched: stock class, no attachment, the plain workflow gives the same result
+    assert type(high_in) is stock and type(low_in) is stock
+    assert "levers_phase" not in high_in.attachments and "levers_phase" not in low_in.attachments
+    assert torch.equal(_sample(comfy_env, tiny_wan, high_in, low_in)["samples"], ref)
 
 
 def test_group_prefetch_on_each_expert_after_phase_offload(comfy_env, tiny_wan, experts):
