@@ -207,6 +207,7 @@ class _Session:
         self.alongside: list = []
         self.budget_note = ""
         self.run_room = 0        # what ComfyUI keeps free for this run beside the weights (activations, reserve)
+        self.reserved: list[int] = []   # device bytes the engine asked ComfyUI for, per layout it built
         self.budget = self._budget(noise, guider)
         cfg = state.request.config
         if cfg.packed and not packing_supported(patcher.load_device)[0]:
@@ -407,24 +408,32 @@ class _Session:
         bandwidth = self._bandwidth(transport, store)
         budget = self.budget - (module_bytes(self.root) - self.streamed_bytes) if not math.isinf(self.budget) \
             else AUTO
+        reserve = None
         if budget != AUTO:
             budget = max(0, int(budget))
             import comfy.model_management as mm
             if not mm.is_device_cpu(dev):
-                # ask ComfyUI for the slots' room before taking it, from other models: this one and the models it
-                # runs with (a ControlNet) are in use
-                used = {id(self.patcher), *(id(m) for m in self.alongside)}
-                keep = [lm for lm in mm.current_loaded_models if id(getattr(lm, "model", None)) in used]
-                # the slots and the room the run needs beside the weights (ComfyUI's own load freed only what
-                # the resident part and the run need, not the slots)
-                mm.free_memory(budget + self.run_room, dev, keep_loaded=keep)
+                reserve = self._reserve(mm, dev)
         # ComfyUI holds the resident part (whole blocks, or the tails of split blocks) through its
         # own load list; the engine streams exactly the rest, in whole-block (head) groups.
         cfg = replace(self.state.request.config, resident_groups=0, budget_bytes=budget, manage_resident=False,
                       partial_blocks=False)
         layout = replace(self.layout, blocks=tuple(self.streamed))
         self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
-                                           layout=layout)
+                                           layout=layout, reserve=reserve)
+
+    def _reserve(self, mm, dev):
+        """Before the engine allocates a layout's slots: ask ComfyUI for exactly those bytes plus the room the
+        run needs beside the weights (ComfyUI's own load freed room for the resident part and the run, not for
+        the slots). Other models are unloaded only as far as that takes: a text encoder or VAE that still fits
+        stays loaded. This model and the models it runs with (a ControlNet) are in use and never unloaded."""
+        used = {id(self.patcher), *(id(m) for m in self.alongside)}
+
+        def reserve(nbytes: int) -> None:
+            keep = [lm for lm in mm.current_loaded_models if id(getattr(lm, "model", None)) in used]
+            self.reserved.append(nbytes)
+            mm.free_memory(nbytes + self.run_room, dev, keep_loaded=keep)
+        return reserve
 
     def _patch_streamed_keys(self) -> set[str]:
         """LoRA and other weight patches on streamed weights, applied by ComfyUI itself on the
@@ -526,6 +535,12 @@ class _Session:
                 f"budget {'none' if math.isinf(self.budget) else _gb(self.budget)}.")
         if self.budget_note:
             head += f"\n{self.budget_note}."
+        if self.reserved:
+            head += (f"\nroom asked of ComfyUI for the streaming slots: {_gb(self.reserved[-1])} + the run's "
+                     f"{_gb(self.run_room)} (other models unloaded only as far as that takes)")
+            if len(self.reserved) > 1:
+                head += f"; {len(self.reserved)} layouts built (calibrated re-plan)"
+            head += "."
         if dynamic_vram_active():
             head += "\n" + legacy_under_dynamic_line(self.patcher)
         if self.unloaded_stale:

@@ -782,3 +782,50 @@ def test_comfyui_split_layout_spends_the_leftover_too(monkeypatch):
     assert filled.streamed_bytes < capped.streamed_bytes
     assert other + sum(sizes) - filled.streamed_bytes + 2 * filled.cap <= budget
     assert len(filled.streamed) >= 3                                    # depth + 2 blocks still stream
+
+
+def test_each_layout_asks_for_its_device_bytes_before_allocating_them(monkeypatch):
+    """``reserve`` is how a host (the ComfyUI bridge) frees exactly the room a layout takes, when it takes it: once
+    per built layout, before that layout's first device allocation, for at least what it then allocates; and again
+    for a calibrated re-plan, after the old slots went back."""
+    from dataclasses import replace
+
+    import comfyui_levers.core.residency.prefetch as pf
+
+    m = make_wan(n=8)
+    tr = _rec()
+    events: list[tuple[str, int]] = []
+    empty = tr.empty
+
+    def counting_empty(shape, dtype):
+        t = empty(shape, dtype)
+        events.append(("alloc", t.numel() * t.element_size()))
+        return t
+    monkeypatch.setattr(tr, "empty", counting_empty)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 1, 10 ** 9, partial_blocks=False), tr, bandwidth=1e9,
+                             reserve=lambda n: events.append(("reserve", n)))
+    try:
+        def builds():
+            out, cur = [], None
+            for kind, n in events:
+                if kind == "reserve":
+                    cur = [n, 0]
+                    out.append(cur)
+                elif cur is not None:
+                    cur[1] += n
+            return out
+        (asked, allocated), = builds()
+        assert asked == h.plan.device_bytes - h.remainder_bytes > 0
+        assert 0 < allocated <= asked
+        assert allocated >= h.stats()["slot_bytes"]
+        with torch.no_grad():
+            ref = m(*wan_inputs())
+        other = replace(h.plan, prefetch_depth=2, device_bytes=h.plan.device_bytes + h.plan.slot_bytes // 2)
+        monkeypatch.setattr(pf, "plan_groups", lambda *a, **k: other)
+        h._replan()
+        assert len(builds()) == 2 and builds()[1][0] == other.device_bytes - h.remainder_bytes
+        assert builds()[1][1] > allocated, "the deeper layout allocates one more slot, asked for first"
+        with torch.no_grad():
+            assert torch.equal(m(*wan_inputs()), ref)
+    finally:
+        h.remove()

@@ -1044,8 +1044,10 @@ class PrefetchHandle:
     """The installed engine. ``stats()`` / ``report()`` describe it; ``remove()`` undoes it."""
 
     def __init__(self, layout: BlockLayout, config: PrefetchConfig, transport: Transport,
-                 store: HostStore, owns_store: bool, bandwidth: float | None, budget_bytes: float):
+                 store: HostStore, owns_store: bool, bandwidth: float | None, budget_bytes: float,
+                 reserve: Callable[[int], None] | None = None):
         self.layout = layout
+        self.reserve = reserve
         self.config = config
         self.transport = transport
         self.store = store
@@ -1197,6 +1199,10 @@ class PrefetchHandle:
         self.stream_order = [grp.index for grp in self.groups if not grp.resident]
         self._routes = {}
         self._route = self.stream_order
+        if self.reserve is not None:
+            # the device bytes this build allocates (resident buffers, slots, staging), asked for now: the
+            # calibrated re-plan asks again for its own layout, after the old slots went back
+            self.reserve(max(0, plan.device_bytes - self.remainder_bytes))
         with torch.no_grad(), torch.inference_mode(self.store.inference):
             # why: the buffers below are fresh allocations from the compute stream's pool, whose memory
             # work queued there may still use; the copy stream must not write into them before it ends
@@ -1706,14 +1712,17 @@ def _auto_budget(module: nn.Module, device: torch.device) -> float:
 
 def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: Transport,
                          bandwidth: float | None = None, store: HostStore | None = None,
-                         layout: BlockLayout | None = None) -> PrefetchHandle:
+                         layout: BlockLayout | None = None,
+                         reserve: Callable[[int], None] | None = None) -> PrefetchHandle:
     """Stream ``module``'s transformer blocks through ``transport``.
 
     ``bandwidth`` (host->device bytes/s; measured once through ``transport`` when None, or pass
     0 to skip) enables auto sizing from the first forward's measured per-block compute; without
     it the auto plan keeps as much resident as fits. ``store``: a
     HostStore built earlier for the same blocks (reused across installs; not restored on
-    ``remove``). ``layout``: blocks found earlier (default: ``find_blocks(module)``).
+    ``remove``). ``layout``: blocks found earlier (default: ``find_blocks(module)``). ``reserve``:
+    called with the device bytes a layout is about to allocate, before it allocates them (a host
+    asks its memory manager for that room; again for each re-planned layout).
     """
     if not isinstance(config, PrefetchConfig):
         raise ConfigError("config", type(config).__name__, "a PrefetchConfig")
@@ -1729,7 +1738,7 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
     if bandwidth is None and store.host_bytes:
         bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
     store.use_packed = config.packed     # a store packed for another install streams as stored here
-    handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget)
+    handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget, reserve)
     if config.packed and not store.packed:
         why = (pack_why if not pack_ok else
                "the store given was built without packing (HostStore(..., packed=True))"

@@ -689,29 +689,13 @@ def test_auto_budget_counts_model_patches_and_each_controlnet_once(comfy_env, ti
     assert kept == ["Linear", "WAN21"], kept
 
 
-def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_room(comfy_env, tiny_wan, monkeypatch):
-    """ComfyUI's own load_models_gpu and free_memory on a GPU emulated on the CPU (free = card - what is loaded -
-    the engine's slots). With a model already loaded that the auto budget counts as room, ComfyUI's load frees only
-    what the resident part needs; the engine's request for its slots must also free the run's room, or the
-    activations ComfyUI estimated no longer fit (found in review: 2.7 MiB left for 4.4 MiB of activations)."""
+def _emulate_card(monkeypatch, mm, card: int, state) -> None:
+    """ComfyUI's own load_models_gpu and free_memory on a GPU of ``card`` bytes emulated on the CPU: free = card -
+    what ComfyUI has loaded - the engine's slots (``state``'s)."""
     import inspect
     import textwrap
 
-    import comfy.model_patcher
-    import comfy.sampler_helpers as sh
-    from torch import nn
-
-    from comfyui_levers.core.residency.blocks import module_bytes
-
-    mm = comfy_env.mm
     mib = 1024 ** 2
-    mm.unload_all_models()
-    model = tiny_wan.load_model()
-    clone, _, state = _prefetch(comfy_env, model, resident_groups=1, vram_budget_gb=0.0)
-    pos, neg = tiny_wan.cond(0)
-    activations = sh.estimate_memory(model, tiny_wan.empty_latent()["samples"].shape,
-                                     {"positive": sh.convert_cond(pos), "negative": sh.convert_cond(neg)})[0]
-    card = int(18 * mib + activations + mib)
 
     def slots():
         h = state.session.handle if state.session is not None else None
@@ -733,32 +717,95 @@ def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_roo
     namespace: dict = {}
     exec(compile(source.replace(guard, "if True:"), mm.__file__, "exec"), mm.__dict__, namespace)
     monkeypatch.setattr(mm, "load_models_gpu", namespace["load_models_gpu"])
-    other = comfy.model_patcher.ModelPatcher(nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(64)]),
-                                             load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
-    mm.load_models_gpu([other])               # 16 MiB a text encoder or VAE left loaded
-    assert other.loaded_size() == 16 * mib
-    free_at_forward = []
-    hook = clone.model.diffusion_model.blocks[-1].register_forward_hook(
-        lambda *a: free_at_forward.append(mm.get_free_memory(torch.device("cpu"))))
-    # what the engine asks ComfyUI to free for its slots, and the room the run needs beside them
+
+
+def _loaded_elsewhere(mm, mib: int):
+    """A model of ``mib`` MiB loaded by ComfyUI (a text encoder or VAE left loaded)."""
+    import comfy.model_patcher
+    from torch import nn
+
+    side = int((mib * 1024 ** 2 // 4) ** 0.5)
+    other = comfy.model_patcher.ModelPatcher(nn.Sequential(nn.Linear(side, side, bias=False)), load_device=torch.device("cpu"),
+                                             offload_device=torch.device("cpu"))
+    mm.load_models_gpu([other])
+    assert other.loaded_size() == side * side * 4
+    return other
+
+
+def _asked_for_the_slots(monkeypatch, mm):
+    """Record what the engine asks ComfyUI to free for its slots: (need, run_room) per request."""
     import comfyui_levers.bridge.prefetch as bp
+
     asked, attach, free_memory = [], bp._Session.attach, mm.free_memory
 
     def spy(self):
         with monkeypatch.context() as m:
             m.setattr(mm, "free_memory", lambda need, device, keep_loaded=[]: (
-                asked.append((need, self.budget - (module_bytes(self.root) - self.streamed_bytes), self.run_room)),
-                free_memory(need, device, keep_loaded=keep_loaded))[1])
+                asked.append((need, self.run_room)), free_memory(need, device, keep_loaded=keep_loaded))[1])
             return attach(self)
     monkeypatch.setattr(bp._Session, "attach", spy)
+    return asked
+
+
+def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_room(comfy_env, tiny_wan, monkeypatch):
+    """With a model already loaded that the auto budget counts as room, ComfyUI's load frees only what the
+    resident part needs; the engine's request for its slots must also free the run's room, or the activations
+    ComfyUI estimated no longer fit (found in review: 2.7 MiB left for 4.4 MiB of activations)."""
+    import comfy.sampler_helpers as sh
+
+    mm = comfy_env.mm
+    mib = 1024 ** 2
+    mm.unload_all_models()
+    model = tiny_wan.load_model()
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=1, vram_budget_gb=0.0)
+    pos, neg = tiny_wan.cond(0)
+    activations = sh.estimate_memory(model, tiny_wan.empty_latent()["samples"].shape,
+                                     {"positive": sh.convert_cond(pos), "negative": sh.convert_cond(neg)})[0]
+    _emulate_card(monkeypatch, mm, int(18 * mib + activations + mib), state)
+    other = _loaded_elsewhere(mm, 16)
+    free_at_forward = []
+    hook = clone.model.diffusion_model.blocks[-1].register_forward_hook(
+        lambda *a: free_at_forward.append(mm.get_free_memory(torch.device("cpu"))))
+    asked = _asked_for_the_slots(monkeypatch, mm)
     try:
         tiny_wan.sample(clone)
     finally:
         hook.remove()
-    assert state.last_stats is not None and state.last_stats["streamed_groups"] >= 1, state.last_report
-    (need, slot_room, run_room), = asked
-    assert run_room >= int(activations) and need >= slot_room + run_room
+    stats = state.last_stats
+    assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
+    (need, run_room), = asked
+    assert run_room >= int(activations) and need == stats["slot_bytes"] + stats["staging_bytes"] + run_room
     assert free_at_forward[0] >= activations, (free_at_forward[0] / mib, activations / mib, state.last_report)
+    assert other.loaded_size() == 0, "the card is too small for both: the other model made room"
+
+
+def test_the_slots_unload_other_models_only_as_far_as_they_need(comfy_env, tiny_wan, monkeypatch):
+    """The auto budget counts a model left loaded (a text encoder, a VAE) as room, as ComfyUI's own load does. The
+    engine then asks ComfyUI for its slots' bytes and the run's room, not for the whole budget: on a card with
+    room for both, the other model stays loaded (before, it was unloaded, and reloaded by the next prompt)."""
+    import comfy.sampler_helpers as sh
+
+    mm = comfy_env.mm
+    mib = 1024 ** 2
+    mm.unload_all_models()
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    mm.unload_all_models()
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=1, vram_budget_gb=0.0)
+    pos, neg = tiny_wan.cond(0)
+    activations = sh.estimate_memory(model, tiny_wan.empty_latent()["samples"].shape,
+                                     {"positive": sh.convert_cond(pos), "negative": sh.convert_cond(neg)})[0]
+    _emulate_card(monkeypatch, mm, int(18 * mib + activations + 16 * mib + mib), state)
+    other = _loaded_elsewhere(mm, 16)
+    asked = _asked_for_the_slots(monkeypatch, mm)
+    out = tiny_wan.sample(clone)["samples"]
+    stats = state.last_stats
+    assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
+    (need, run_room), = asked
+    assert need == stats["slot_bytes"] + stats["staging_bytes"] + run_room
+    assert other.loaded_size() > 0, state.last_report
+    assert "room asked of ComfyUI for the streaming slots" in state.last_report
+    assert torch.equal(out, ref)
 
 
 def test_auto_budget_counts_the_reference_latents_of_edit_models(comfy_env, monkeypatch):
