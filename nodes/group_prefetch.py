@@ -22,22 +22,19 @@ def _auto(value: int, field: str, minimum: int):
 
 def settings_from(plan, blocks_per_group: int, prefetch_depth: int, resident_groups: int, vram_budget_gb: float,
                   packed: bool = False):
-    """Node inputs, falling back to the plan's streaming section for whatever is left on auto."""
+    """Node inputs; a plan gives the weights' VRAM budget when ``vram_budget_gb`` is auto.
+
+    Only the budget: the plan sizes its layout from the preset's block sizes, the node from the connected model's
+    real blocks and the first step's measured compute, so the plan's group size, depth and resident count are
+    not imposed (a resident count sized from other block sizes can overrun the very budget it came with)."""
     g = _auto(blocks_per_group, "blocks_per_group", 1)
     d = _auto(prefetch_depth, "prefetch_depth", 1)
     r = _auto(resident_groups, "resident_groups", 0)
     if vram_budget_gb < 0:
         raise ConfigError("vram_budget_gb", vram_budget_gb, "0 (auto) or a positive number of GiB")
     budget = int(vram_budget_gb * _GIB) if vram_budget_gb > 0 else None
-    if plan is not None:
-        dm = plan.diffusion_model
-        st = dm.streaming
-        if st is not None:
-            g = st.blocks_per_group if g == AUTO else g
-            d = st.prefetch_depth if d == AUTO else d
-            r = st.resident_groups if r == AUTO else r
-        if budget is None and dm.resident_bytes:
-            budget = int(dm.resident_bytes)
+    if plan is not None and budget is None and plan.diffusion_model.resident_bytes:
+        budget = int(plan.diffusion_model.resident_bytes)
     return PrefetchConfig(blocks_per_group=g, prefetch_depth=d, resident_groups=r, packed=bool(packed)), budget
 
 
@@ -79,8 +76,9 @@ class LeversGroupPrefetch(io.ComfyNode):
                                          "copy), a one-time packing pass and a <=100 MiB staging buffer. Needs Triton "
                                          "on CUDA; otherwise the report says it is off."),
                 PLAN.Input("plan", optional=True,
-                           tooltip="A Levers plan from Recommend: its streaming section fills the settings left on "
-                                   "auto and its diffusion-model VRAM share becomes the budget."),
+                           tooltip="A Levers plan from Recommend: its diffusion-model VRAM share becomes the budget "
+                                   "when vram_budget_gb is auto. Group size, depth and resident blocks are sized "
+                                   "from this model's real blocks and measured compute, within that budget."),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
             hidden=[io.Hidden.unique_id],   # each sampling run's achieved numbers are shown on this node

@@ -851,3 +851,47 @@ def test_models_loaded_alongside_are_never_unloaded_for_the_slots(comfy_env, tin
     kept = {id(lm.model.model) for lm in keep}
     assert id(clone.model) in kept and id(extra.model) in kept, [type(lm.model.model).__name__ for lm in keep]
     assert state.last_stats is not None and state.last_stats["streamed_groups"] >= 2
+
+
+def test_a_plan_gives_the_budget_and_the_node_sizes_the_layout_from_the_real_blocks(comfy_env):
+    """Recommend's plan sizes its streaming layout from the preset's average block, but FLUX's double blocks weigh
+    about 2.4x its single blocks. The plan's resident count, imposed on the node, needed more than the plan's own
+    budget (FLUX at 16 GB: 31 resident blocks, 15.8 GiB for 12.9) and the run stopped. The node takes the budget
+    from the plan and sizes the layout from the model's real blocks within it."""
+    from types import SimpleNamespace
+
+    from comfyui_levers.core.plan_types import Streaming
+    from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+    from comfyui_levers.core.residency.prefetch import AUTO
+    from comfyui_levers.nodes.group_prefetch import settings_from
+    from tiny_dits import tiny_flux
+
+    tiny = tiny_flux()
+    model = tiny.load()
+    comfy_env.mm.unload_all_models()
+    ref = tiny.sample(model)
+    root = model.model.diffusion_model
+    sizes = [module_bytes(b) for _, b in find_blocks(root).blocks]
+    assert sizes[0] > sizes[-1], sizes            # double blocks first, heavier than the single ones
+    other = module_bytes(root) - sum(sizes)
+    mean = sum(sizes) // len(sizes)
+    # the planner's layout: 2 resident blocks and 2 slots, each at the average block size
+    st = Streaming(n_blocks=len(sizes), blocks_per_group=1, prefetch_depth=1, resident_groups=2,
+                   streamed_bytes_per_step=(len(sizes) - 2) * mean, block_bytes=mean,
+                   transfer_seconds_per_block=0.0, compute_seconds_per_block=0.0, hides_transfer=True)
+    budget = other + 4 * mean
+    assert other + 2 * sizes[0] + 2 * max(sizes[2:]) > budget, "the plan's own layout would not fit its budget"
+    plan = SimpleNamespace(diffusion_model=SimpleNamespace(streaming=st, resident_bytes=budget))
+    config, got = settings_from(plan, -1, -1, -1, 0.0)
+    assert got == budget and (config.blocks_per_group, config.prefetch_depth, config.resident_groups) == (AUTO,) * 3
+    node = _node(comfy_env, "LeversGroupPrefetch")
+    out = node.execute(model, blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0,
+                       plan=plan)
+    clone, _ = out.args if hasattr(out, "args") else out.result
+    from comfyui_levers.bridge.prefetch import prefetch_state
+
+    state = prefetch_state(clone)
+    assert torch.equal(tiny.sample(clone), ref)
+    stats = state.last_stats
+    assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
+    assert "not streaming" not in state.last_report, state.last_report
