@@ -19,7 +19,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..core.errors import IncompatibleInput
+from ..core.errors import ConfigError, IncompatibleInput
 from ..core.quant import checkpoint as qckpt
 from ..core.quant.linear import QuantLinear, clone_module_tree, is_quantized_module, quantize_module
 from ..core.quant.registry import Granularity, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
@@ -309,6 +309,20 @@ def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
     return chosen, notes
 
 
+def choose_modulation(modulation: str, plan, notes: list[str]) -> bool:
+    """Whether the modulation linears are quantized: ``quantize`` / ``keep``, or on ``auto`` the plan's choice
+    (a plan quantizes them only when that is what makes the model fit), else keep."""
+    choice = (modulation or "auto").strip().lower()
+    if choice not in ("auto", "keep", "quantize"):
+        raise ConfigError("modulation", modulation, "auto, keep or quantize")
+    if choice != "auto":
+        return choice == "quantize"
+    planned = bool(plan is not None and getattr(plan.diffusion_model, "quantize_modulation", False))
+    if planned:
+        notes.append("modulation auto: quantized, as the plan says (keeping them 16-bit would not fit its card)")
+    return planned
+
+
 # context width of the text conditioning, by the unet_config key each architecture family uses
 _CONTEXT_KEYS = ("context_dim", "text_dim", "context_in_dim", "joint_attention_dim", "text_states_dim", "cap_feat_dim",
                  "context_embedder_config")
@@ -467,15 +481,17 @@ def quality_check(original, quantized, fmt: str, seed: int = 0) -> tuple[float |
 
 def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_first_blocks: int = 0,
                   keep_last_blocks: int = 0, extra_skip: str = "", plan=None, save_path: str = "",
-                  quality_check_enabled: bool = True):
+                  quality_check_enabled: bool = True, modulation: str = "auto"):
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     chosen, notes = choose_format(fmt, plan)
+    qmod = choose_modulation(modulation, plan, notes)
     gran = granularity
     if gran == "auto" and chosen == "fp8_e4m3fn":
         # ComfyUI's own fp8 layer when it has one (its LoRA / offload / fp8-matmul paths), else per row
         gran = "per_tensor" if native_fp8_available()[0] else "per_row"
     config = QuantConfig(chosen, None if gran == "auto" else gran, keep_first_blocks=int(keep_first_blocks),
-                         keep_last_blocks=int(keep_last_blocks), extra_skip=extra_skip or ())
+                         keep_last_blocks=int(keep_last_blocks), extra_skip=extra_skip or (),
+                         quantize_modulation=qmod)
     new, report = quantize_patcher(model, config)
     report.notes[:0] = notes
     text = report.format_text()

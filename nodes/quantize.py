@@ -16,7 +16,8 @@ class LeversQuantizeDiT(io.ComfyNode):
             display_name="QuantizeDiT",
             category="Levers",
             description="Quantize the diffusion transformer's attention and MLP weights to fp8, int8 or nf4. Embedders, "
-                        "modulation/adaLN, norms and the final layer stay in full precision (per-architecture census). "
+                        "modulation/adaLN (unless modulation = quantize), norms and the final layer stay in full "
+                        "precision (per-architecture census). "
                         "Returns a new model; the input model is untouched. LoRA loaders after this node work.",
             inputs=[
                 io.Model.Input("model", tooltip="Diffusion model from a loader (not modified)."),
@@ -43,15 +44,20 @@ class LeversQuantizeDiT(io.ComfyNode):
                                          "(same seed, noise and context) and report the PSNR of the quantized "
                                          "output vs the original in dB (fp8/int8 aim for >= 35 dB). Costs two small "
                                          "forward passes (the original is loaded once, as ComfyUI loads it)."),
+                io.Combo.Input("modulation", options=["auto", "keep", "quantize"], default="auto", optional=True,
+                               tooltip="The adaLN/modulation linears inside the blocks (27% of FLUX's weights, a "
+                                       "third of Qwen-Image's). keep: 16-bit (the safe default: they scale every "
+                                       "activation). quantize: in the chosen format too, when only that fits the "
+                                       "card. auto: the plan's choice, else keep."),
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
         )
 
     @classmethod
     def execute(cls, model, format="auto", granularity="auto", keep_first_blocks=0, keep_last_blocks=0,
-                extra_skip="", plan=None, save_path="", quality_check=True) -> io.NodeOutput:
+                extra_skip="", plan=None, save_path="", quality_check=True, modulation="auto") -> io.NodeOutput:
         new, report = quantize_node(model, format, granularity, keep_first_blocks, keep_last_blocks, extra_skip,
-                                    plan, save_path, quality_check)
+                                    plan, save_path, quality_check, modulation)
         return io.NodeOutput(new, report, ui=ui.PreviewText(report))
 
 

@@ -176,6 +176,7 @@ def lumina_keys(layers=3, refiners=2, d=128) -> dict:
 import pytest  # noqa: E402
 
 from comfyui_levers.core.quant import QuantConfig, census, detect_arch  # noqa: E402
+from comfyui_levers.core.errors import ConfigError  # noqa: E402
 
 ARCH_CASES = {
     "flux": flux_keys, "chroma": chroma_keys, "hunyuan_video": hunyuan_video_keys, "wan": wan_keys,
@@ -328,3 +329,32 @@ def test_names_only_census_works_without_shapes():
     assert c.should_quantize("blocks.1.ffn.2.weight")
     assert c.should_quantize("blocks.1.self_attn.o.weight")
     assert not c.should_quantize("time_projection.1.weight")
+
+
+@pytest.mark.parametrize("arch,modulation", [
+    ("flux", ("double_blocks.0.img_mod.lin.weight", "double_blocks.2.txt_mod.lin.weight",
+              "single_blocks.3.modulation.lin.weight")),
+    ("hunyuan_video", ("double_blocks.1.img_mod.lin.weight",)),
+    ("qwen_image", ("transformer_blocks.1.img_mod.1.weight", "transformer_blocks.0.txt_mod.1.weight")),
+    ("sd3", ("joint_blocks.1.x_block.adaLN_modulation.1.weight",)),
+])
+def test_quantize_modulation_adds_exactly_the_modulation_linears_inside_the_blocks(arch, modulation):
+    """The plan quantizes the modulation linears when only that fits (FLUX nf4 on 12 GB): the census then adds
+    those and nothing else; the final layer's adaLN, embedders and norms stay 16-bit."""
+    keys = ARCH_CASES[arch]()
+    plain = census(keys, config=QuantConfig("fp8_e4m3fn"))
+    qmod = census(keys, config=QuantConfig("fp8_e4m3fn", quantize_modulation=True))
+    added = _q(qmod) - _q(plain)
+    assert _q(plain) <= _q(qmod) and set(modulation) <= added
+    reasons = {e.key: e.reason for e in plain.kept}
+    assert all("modulation" in reasons[k] for k in added), {k: reasons[k] for k in added}
+    assert all(qmod.should_quantize(k) == (k in added or plain.should_quantize(k)) for k in keys)
+    for k in keys:
+        if k.startswith(("final_layer", "norm_out", "img_in", "time_in", "txt_in", "context_embedder")):
+            assert not qmod.should_quantize(k), k
+    assert {e.reason for e in qmod.quantized if e.key in added} == {"quantize (modulation linear)"}
+
+
+def test_quantize_modulation_is_a_bool():
+    with pytest.raises(ConfigError, match="quantize_modulation"):
+        QuantConfig("fp8_e4m3fn", quantize_modulation="yes")

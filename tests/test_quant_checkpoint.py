@@ -278,3 +278,30 @@ def test_a_full_checkpoint_quantizes_its_diffusion_model_whatever_else_it_holds(
     with safe_open(str(out), framework="pt") as f:
         assert torch.equal(f.get_tensor("text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"),
                            sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"])
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3fn", "int8"])
+def test_cli_quantize_modulation_writes_the_modulation_linears_too(tmp_path, capsys, fmt):
+    """`--quantize-modulation`: FLUX's img_mod / txt_mod / modulation linears are quantized as well, the file
+    loads back with them quantized, and nothing outside the blocks is touched."""
+    from test_quant_census import flux_keys
+
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for k, s in flux_keys(2, 2, d=128).items()}
+    path = str(tmp_path / "flux.safetensors")
+    save_file(sd, path)
+    plain_out, qmod_out = str(tmp_path / "plain.safetensors"), str(tmp_path / "qmod.safetensors")
+    assert cli_main(["quantize", path, plain_out, "--format", fmt]) == 0
+    assert cli_main(["quantize", path, qmod_out, "--format", fmt, "--quantize-modulation"]) == 0
+    capsys.readouterr()
+    _, plain_q, _ = ckpt.load_quantized_file(plain_out)
+    _, qmod_q, meta = ckpt.load_quantized_file(qmod_out)
+    mods = {"double_blocks.0.img_mod.lin", "double_blocks.1.txt_mod.lin", "single_blocks.1.modulation.lin"}
+    assert not mods & set(plain_q) and mods <= set(qmod_q)
+    added = set(qmod_q) - set(plain_q)
+    assert all("mod" in layer for layer in added) and len(added) == 2 * 2 + 2
+    assert "final_layer.adaLN_modulation.1" not in qmod_q
+    assert json.loads(meta[ckpt.LEVERS_META_KEY])["config"]["quantize_modulation"] is True
+    for layer in mods:
+        assert sqnr(sd[f"{layer}.weight"].float(), qmod_q[layer].dequantize(torch.float32)) > 25
+    assert os.path.getsize(qmod_out) < os.path.getsize(plain_out)

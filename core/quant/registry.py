@@ -38,6 +38,7 @@ class QuantConfig:
     keep_first_blocks: int = 0
     keep_last_blocks: int = 0
     extra_skip: tuple[str, ...] = ()
+    quantize_modulation: bool = False   # also the adaLN/modulation linears inside the blocks (kept 16-bit by default)
 
     def __post_init__(self):
         fmt = Precision.parse(self.format, "format")
@@ -66,11 +67,13 @@ class QuantConfig:
         if isinstance(skips, str):
             skips = tuple(s for s in (p.strip() for p in skips.split(",")) if s)
         object.__setattr__(self, "extra_skip", tuple(str(s) for s in skips))
+        if not isinstance(self.quantize_modulation, bool):
+            raise ConfigError("quantize_modulation", self.quantize_modulation, "true or false")
 
     def to_dict(self) -> dict:
         return {"format": str(self.format), "granularity": str(self.granularity), "block_size": self.block_size,
                 "keep_first_blocks": self.keep_first_blocks, "keep_last_blocks": self.keep_last_blocks,
-                "extra_skip": list(self.extra_skip)}
+                "extra_skip": list(self.extra_skip), "quantize_modulation": self.quantize_modulation}
 
 
 @dataclass

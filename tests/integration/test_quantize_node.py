@@ -157,3 +157,46 @@ def test_quality_check_fails_soft(node, tiny_wan, base, monkeypatch):
     qmodel, report = run(node, model, format="int8")
     assert "quality check skipped" in report and "control image" in report
     assert qmodel is not model
+
+
+def _quantized_layers(report):
+    import re
+
+    m = re.search(r"quantized: (\d+) layers", report)
+    assert m is not None, report
+    return int(m.group(1))
+
+
+def test_modulation_quantize_keep_and_the_plans_choice(node, comfy_env):
+    """`modulation`: keep (16-bit, the default), quantize (what a plan asks when only that fits: FLUX nf4 on a
+    12 GB card), or auto (the plan's choice). On SD3's MMDiT, whose blocks carry adaLN linears: quantizing them
+    adds exactly those layers, shrinks the model, stays close, and the saved fp8 file loads with stock
+    UNETLoader; the input model stays untouched."""
+    from types import SimpleNamespace
+
+    from comfyui_levers.core.types import Precision
+    from tiny_dits import tiny_sd3
+
+    tiny = tiny_sd3()
+    model = tiny.load()
+    ref = tiny.sample(model)
+    kept, rep_kept = run(node, model, format="fp8_e4m3fn", granularity="per_tensor")
+    name = "levers_test_fp8_modulation.safetensors"
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", name)
+    if os.path.exists(path):
+        os.unlink(path)
+    qmod, rep_qmod = run(node, model, format="fp8_e4m3fn", granularity="per_tensor", modulation="quantize",
+                         save_path=path)
+    n_blocks = len(model.model.diffusion_model.joint_blocks)
+    # each joint block's x_block and context_block carry one adaLN linear (the last context block's too)
+    assert _quantized_layers(rep_qmod) == _quantized_layers(rep_kept) + 2 * n_blocks, rep_qmod
+    assert qmod.model_size() < kept.model_size()
+    assert psnr(ref, tiny.sample(qmod)) >= 25.0
+    plan = SimpleNamespace(diffusion_model=SimpleNamespace(precision=Precision.FP8_E4M3FN, quantize_modulation=True))
+    auto, rep_auto = run(node, model, format="auto", granularity="per_tensor", plan=plan)
+    assert "modulation auto: quantized" in rep_auto and _quantized_layers(rep_auto) == _quantized_layers(rep_qmod)
+    loaded = comfy_env.nodes.UNETLoader().load_unet(name, "default")[0]
+    assert psnr(tiny.sample(qmod), tiny.sample(loaded)) >= 45.0
+    assert torch.equal(tiny.sample(model), ref)
+    with pytest.raises(Exception, match="modulation"):
+        run(node, model, format="fp8_e4m3fn", modulation="sometimes")
