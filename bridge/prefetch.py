@@ -694,6 +694,15 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     import comfy.patcher_extension as pe
 
     require_model(model)
+    diffusion = model.model.diffusion_model
+    try:
+        layout = find_blocks(diffusion)
+    except ValueError as e:
+        # an architecture whose layers run in no streamable block structure (Stable Cascade's levels of mixed
+        # blocks): the graph still runs, ComfyUI loads the model as usual
+        return model, (f"GroupPrefetch stands aside: {e}. The model passes through unchanged and ComfyUI loads it "
+                       "as usual (its own lowvram path when it does not fit); PhaseOffload and QuantizeDiT still "
+                       "apply to it.")
     clone = model.clone()
     diffusion = clone.model.diffusion_model
     layout = find_blocks(diffusion)

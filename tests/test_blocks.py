@@ -85,6 +85,19 @@ def test_fallback_takes_the_heavy_same_class_lists():
     assert streamed > 0.5 * module_bytes(m)
 
 
+def test_fallback_never_takes_lists_of_lists_whose_forward_never_runs():
+    """Stable Cascade keeps levels as ModuleLists of ModuleLists and loops over them itself: a level is not a
+    block (hooks on it never fire), and its items mix classes, so there is no block structure to stream."""
+    m = nn.Module()
+    m.down = nn.ModuleList(nn.ModuleList([Blk(32), nn.Linear(32, 32)]) for _ in range(2))
+    m.up = nn.ModuleList(nn.ModuleList([Blk(32), nn.Linear(32, 32)]) for _ in range(2))
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        find_blocks(m)
+    m.tail = nn.ModuleList(nn.ModuleList([Blk(64)]) for _ in range(4))   # same class, heaviest: still containers
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        find_blocks(m)
+
+
 def test_no_blocks_raises_with_advice():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with pytest.raises(ValueError, match="no transformer blocks"):

@@ -121,7 +121,8 @@ def _match_known(root: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | N
 
 def _fallback(root: nn.Module, min_share: float) -> list[tuple[str, nn.Module]]:
     """ModuleLists (anywhere in the tree) of same-class items holding the most bytes, in
-    registration order, taken greedily until they hold ``min_share`` of the model."""
+    registration order, taken greedily until they hold ``min_share`` of the model. Items must be
+    modules that run (a ModuleList of ModuleLists is a container of levels, not of blocks)."""
     total = module_bytes(root) or 1
     candidates: list[tuple[int, int, str, nn.ModuleList]] = []
     for order, (name, child) in enumerate(root.named_modules()):
@@ -129,6 +130,8 @@ def _fallback(root: nn.Module, min_share: float) -> list[tuple[str, nn.Module]]:
             continue
         if len({type(m) for m in child}) != 1:
             continue
+        if isinstance(child[0], (nn.ModuleList, nn.ModuleDict)):
+            continue  # lists of lists (Stable Cascade's levels): a container's forward never runs, so no hook fires
         candidates.append((module_bytes(child), order, name, child))
     chosen: list[tuple[int, int, str, nn.ModuleList]] = []
     covered = 0

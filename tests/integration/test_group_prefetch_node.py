@@ -895,3 +895,23 @@ def test_a_plan_gives_the_budget_and_the_node_sizes_the_layout_from_the_real_blo
     stats = state.last_stats
     assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
     assert "not streaming" not in state.last_report, state.last_report
+
+
+def test_a_model_without_streamable_blocks_passes_through_with_a_clear_line(comfy_env):
+    """Stable Cascade's Stage C keeps its layers in levels (ModuleLists of ModuleLists) that it loops over itself.
+    The block finder once took the levels as blocks: their forward never runs, so no hook fired, the report
+    claimed streaming (blaming skip-layer guidance for the 0 bytes moved) and, on a GPU, the unloaded blocks
+    would have run from host memory. Now the node stands aside: same model out, a line that says why, and the
+    sampled output is the plain model's."""
+    from comfyui_levers.core.residency.blocks import find_blocks
+    from tiny_dits import tiny_stable_cascade_c
+
+    tiny = tiny_stable_cascade_c()
+    model = tiny.load()
+    with pytest.raises(ValueError, match="no transformer blocks found in StageC"):
+        find_blocks(model.model.diffusion_model)
+    ref = tiny.sample(model)
+    out, report, _ = _prefetch(comfy_env, model, resident_groups=0)
+    assert out is model and report.startswith("GroupPrefetch stands aside: no transformer blocks found in StageC")
+    assert "passes through unchanged" in report
+    assert torch.equal(tiny.sample(out), ref)

@@ -230,3 +230,17 @@ def tiny_hidream() -> TinyDiT:
 BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
             "sd3": tiny_sd3, "ltxv": tiny_ltxv, "ltxav": tiny_ltxav, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
             "zimage": tiny_zimage, "hidream": tiny_hidream}
+
+
+def tiny_stable_cascade_c() -> TinyDiT:
+    """Stable Cascade Stage C: levels (ModuleLists) of mixed ResBlock / AttnBlock / TimestepBlock layers that the
+    model runs in its own loops, repeated per ``block_repeat``: no block structure GroupPrefetch can stream."""
+    import comfy.supported_models as sm
+
+    cfg = dict(stable_cascade_stage="c", c_in=16, c_out=16, c_r=64, patch_size=1, c_cond=64, c_hidden=[64, 64],
+               nhead=[2, 2], blocks=[[2, 2], [2, 2]], block_repeat=[[1, 1], [1, 1]], level_config=["CTA", "CTA"],
+               c_clip_text=32, c_clip_text_pooled=32, c_clip_img=768, c_clip_seq=4)
+    pos = _cond((1, 8, 32), 0, pooled_output=(1, 1, 32))
+    neg = _cond((1, 8, 32), 1, pooled_output=(1, 1, 32))
+    return TinyDiT("stable_cascade_c", lambda: _patcher_from_config(sm.Stable_Cascade_C, cfg, seed=5), pos, neg,
+                   {"samples": torch.zeros(1, 16, 8, 8)})
