@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -570,11 +571,16 @@ def budget_bytes(vae, settings: TiledDecodeSettings) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------------------------- decode
-def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling=None) -> tuple[torch.Tensor, str]:
-    """Decode ``samples`` like VAEDecode (IMAGE [N, H, W, C], video frames flattened into N) and a report."""
-    import comfy.model_management as mm
-    import comfy.utils
+_MISMATCH_HINT = ("The latent and the VAE come from different model families (an SDXL latent into a FLUX VAE, a FLUX "
+                  "latent into a Wan VAE): connect the VAE that matches the model that made the latent.")
 
+
+def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling=None) -> tuple[torch.Tensor, str]:
+    """Decode ``samples`` like VAEDecode (IMAGE [N, H, W, C], video frames flattened into N) and a report.
+
+    A latent the VAE cannot decode is an error that says so (ComfyUI's VAEDecode fails there with a bare
+    convolution or index error): a 4-D image latent into a video VAE before anything runs, a channel count the
+    decoder rejects when it does."""
     settings.validate()
     require_vae(vae)
     vae.throw_exception_if_invalid()
@@ -588,6 +594,27 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         raise ConfigError("samples", tuple(samples.shape), "a 4-D image or 5-D video latent",
                           "This is an audio or other 1-D latent, which no image node decodes; use VAEDecodeAudio for "
                           "audio, or ComfyUI's VAEDecode.")
+    channels = getattr(vae, "latent_channels", None)
+    if vae.latent_dim == 3 and samples.ndim == 4:
+        raise ConfigError("samples", tuple(samples.shape),
+                          f"a 5-D video latent [batch, {channels}, frames, height, width] for this video VAE",
+                          "This is a 4-D image latent. " + _MISMATCH_HINT)
+    try:
+        return _tiled_decode(vae, samples, settings, plan_tiling)
+    except RuntimeError as e:
+        # the decoder's first convolution names the channels it takes (ComfyUI's own latent_channels is not set
+        # for every VAE it loads)
+        m = re.search(r"to have (\d+) channels, but got (\d+) channels", str(e))
+        if m is not None and int(m.group(2)) == samples.shape[1] != int(m.group(1)):
+            raise ConfigError("samples", f"{samples.shape[1]} channels", f"{m.group(1)}-channel latents (what this "
+                              "VAE decodes)", _MISMATCH_HINT) from e
+        raise
+
+
+def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling) -> tuple[torch.Tensor, str]:
+    import comfy.model_management as mm
+    import comfy.utils
+
     rep = DecodeReport()
     staged, why = describe_vae(vae)
     if settings.stats == "windows" and samples.ndim == 5 and staged is not None and staged.tail_norms:

@@ -229,6 +229,21 @@ def test_bad_inputs_name_the_field(comfy_env, kl_vae):
         run_node(comfy_env, latent, object())
 
 
+def test_a_latent_from_another_model_family_is_named_with_the_fix(comfy_env, kl_vae, wan_vae):
+    """An SDXL latent (4 channels) into a FLUX-type VAE (16), or a FLUX image latent into Wan's video VAE: ComfyUI's
+    VAEDecode fails with a bare convolution or index error; the node says what does not match and what to connect.
+    The VAE still decodes its own latents afterwards."""
+    from comfyui_levers.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"samples.*4 channels.*16-channel latents.*connect the VAE that matches"):
+        run_node(comfy_env, {"samples": torch.randn(1, 4, 16, 16)}, kl_vae)
+    with pytest.raises(ConfigError, match=r"5-D video latent.*4-D image latent.*connect the VAE that matches"):
+        run_node(comfy_env, {"samples": torch.randn(1, 16, 8, 8)}, wan_vae)
+    latent = {"samples": torch.randn(1, 16, 8, 8)}
+    ours, _ = run_node(comfy_env, latent, kl_vae)
+    assert torch.equal(ours, comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0])
+
+
 # ----------------------------------------------------------------------------------------------- Wan 2.2
 def vae_with_swapped_classes(module, swaps: dict, sd: dict):
     """``comfy.sd.VAE(sd=sd)`` while ``module``'s classes named in ``swaps`` are replaced (restored at once):
