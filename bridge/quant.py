@@ -273,20 +273,32 @@ def _native_qweight(m) -> QuantizedWeight | None:
 
 
 def resolve_save_path(save_path: str) -> str:
-    """Relative names go to ComfyUI's first diffusion_models folder, so UNETLoader lists the file."""
+    """Relative names go to ComfyUI's first diffusion_models folder, so UNETLoader lists the file; their
+    subfolders are created there, as ComfyUI's save nodes create theirs. Checked before any work is done."""
     import os
 
     path = save_path.strip()
+    name = os.path.basename(path)
+    if not name or name in (".", "..") or name == ".safetensors":
+        raise ConfigError("save_path", save_path, "a file name (a folder may come before it)",
+                          "e.g. 'flux1-dev-fp8' or 'levers/flux1-dev-fp8'; '.safetensors' is added when missing.")
     if not path.endswith(".safetensors"):
         path += ".safetensors"
     if os.path.isabs(path):
+        qckpt.check_output_path(path, force=False)
         return path
     import folder_paths
     folders = folder_paths.get_folder_paths("diffusion_models")
     existing = [f for f in folders if os.path.isdir(f)]
     base = existing[0] if existing else folders[0]
-    os.makedirs(base, exist_ok=True)   # a fresh --base-directory may not have models/unet yet
-    return os.path.join(base, path)
+    full = os.path.abspath(os.path.join(base, path))
+    if os.path.commonpath([full, os.path.abspath(base)]) != os.path.abspath(base):
+        raise ConfigError("save_path", save_path, f"a name inside {base}",
+                          "A relative save_path is placed under ComfyUI's diffusion_models folder and may not leave "
+                          "it ('..'); give an absolute path to write elsewhere.")
+    os.makedirs(os.path.dirname(full), exist_ok=True)   # a fresh --base-directory may not have models/unet yet
+    qckpt.check_output_path(full, force=False)
+    return full
 
 
 def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
@@ -485,6 +497,7 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     chosen, notes = choose_format(fmt, plan)
     qmod = choose_modulation(modulation, plan, notes)
+    path = resolve_save_path(save_path) if save_path and save_path.strip() else None   # before any work
     gran = granularity
     if gran == "auto" and chosen == "fp8_e4m3fn":
         # ComfyUI's own fp8 layer when it has one (its LoRA / offload / fp8-matmul paths), else per row
@@ -502,8 +515,7 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
         text += "\n" + run_census(model.model.diffusion_model, arch=report.arch, config=config).format_text()
     elif quality_check_enabled:
         text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
-    if save_path and save_path.strip():
-        path = resolve_save_path(save_path)
+    if path is not None:
         save_quantized(new, path, config, report.arch)
         loadable = "stock UNETLoader loads it" if qckpt.uses_comfy_layout(config) else "Levers layout (see docs/quantize.md)"
         text += f"\nsaved: {path} ({loadable})"

@@ -168,7 +168,8 @@ def check_output_path(out_path: str, force: bool) -> None:
         raise FileExistsError(f"{out_path} exists; pass --force (node: a new save_path) to overwrite it")
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"output folder {parent} does not exist")
+        raise FileNotFoundError(f"output folder {parent} does not exist; create it first, or write into a folder "
+                                "that exists")
 
 
 def save_tensors(tensors: Iterator[tuple[str, torch.Tensor]], out_path: str, metadata: dict[str, str],

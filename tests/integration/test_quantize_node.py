@@ -200,3 +200,37 @@ def test_modulation_quantize_keep_and_the_plans_choice(node, comfy_env):
     assert torch.equal(tiny.sample(model), ref)
     with pytest.raises(Exception, match="modulation"):
         run(node, model, format="fp8_e4m3fn", modulation="sometimes")
+
+
+def test_save_path_is_checked_before_any_work_and_subfolders_are_made(node, tiny_wan, base, comfy_env, monkeypatch,
+                                                                      tmp_path):
+    """A bad save_path fails at once, naming the fix, not after minutes of quantizing (found in review: a folder
+    path wrote a hidden '.safetensors', a missing subfolder failed only at the end). Subfolders of ComfyUI's
+    diffusion_models folder are created, as ComfyUI's save nodes create theirs."""
+    import shutil
+
+    import comfyui_levers.bridge.quant as bq
+    from comfyui_levers.core.errors import ConfigError
+
+    model, _ = base
+    calls = []
+    real = bq.quantize_patcher
+    monkeypatch.setattr(bq, "quantize_patcher", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.raises(ConfigError, match="save_path.*a file name"):
+        run(node, model, format="int8", save_path=str(tmp_path) + os.sep, quality_check=False)
+    with pytest.raises(ConfigError, match="save_path.*may not leave"):
+        run(node, model, format="int8", save_path="../escaped", quality_check=False)
+    with pytest.raises(FileNotFoundError, match="create it first"):
+        run(node, model, format="int8", save_path=str(tmp_path / "missing" / "m"), quality_check=False)
+    assert calls == [] and not list(tmp_path.iterdir())
+    import folder_paths
+
+    base = next(f for f in folder_paths.get_folder_paths("diffusion_models") if os.path.isdir(f))
+    sub = os.path.join(base, "levers_test_sub")
+    shutil.rmtree(sub, ignore_errors=True)
+    try:
+        _, report = run(node, model, format="int8", save_path="levers_test_sub/tiny_int8", quality_check=False)
+        assert os.path.isfile(os.path.join(sub, "tiny_int8.safetensors")) and calls == [1], report
+        assert "levers_test_sub/tiny_int8.safetensors" in folder_paths.get_filename_list("diffusion_models")
+    finally:
+        shutil.rmtree(sub, ignore_errors=True)
