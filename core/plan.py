@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 from .plan_types import ComponentPlan, Plan, Streaming, Tiling
-from .presets import ModelSpec
+from .presets import BlockKind, ModelSpec
 from .probe import CPU_TFLOPS, GiB, Machine
 from .types import Component, Goal, Precision, Residency
 
@@ -80,6 +80,38 @@ def dit_weight_bytes(spec: ModelSpec, precision: Precision, quantize_modulation:
     return int(quantized * bytes_per_param(precision) + kept * 2 + scales)
 
 
+def _block_kinds(spec: ModelSpec) -> tuple[tuple[BlockKind, ...], float]:
+    """The spec's kinds of blocks and the factor that maps their parameters onto the spec's blocks (1 for a preset;
+    a measured model keeps its preset's proportions at its own size); none when they do not describe its
+    ``n_blocks`` blocks (then every block is planned the same size)."""
+    listed = sum(k.count * k.params for k in spec.blocks)
+    if not spec.blocks or listed <= 0 or sum(k.count for k in spec.blocks) != spec.n_blocks:
+        return (), 0.0
+    return spec.blocks, spec.dit_params * spec.block_fraction / listed
+
+
+def dit_block_bytes(spec: ModelSpec, precision: Precision, quantize_modulation: bool = False) -> list[int]:
+    """Bytes of each repeated block at ``precision``, in execution order (the rest of ``dit_weight_bytes`` lies
+    outside the blocks). A quantized block keeps its modulation linears 16-bit like the census does, so a FLUX
+    double block (a third modulation) shrinks less than a single block (a fifth)."""
+    total = dit_weight_bytes(spec, precision, quantize_modulation)
+    kinds, scale = _block_kinds(spec)
+    if not kinds:
+        return [int(total * spec.block_fraction / spec.n_blocks)] * spec.n_blocks
+    sizes = []
+    for k in kinds:
+        params = k.params * scale
+        if spec.dit_stored_bytes or not precision.is_quantized:       # bytes in proportion to parameters
+            nbytes = params * total / spec.dit_params
+        else:
+            kept = 0.0 if quantize_modulation else k.modulation * scale
+            quantized = params - kept
+            scales = 4 * quantized / spec.hidden if precision is not Precision.NF4 else 0
+            nbytes = quantized * bytes_per_param(precision) + kept * 2 + scales
+        sizes.extend([int(nbytes)] * k.count)
+    return sizes
+
+
 def sequence_tokens(spec: ModelSpec, wl: Workload) -> int:
     """Image (or video) tokens of one sequence, with the reference images' tokens an edit model appends (each
     reference at the output size: Kontext's and Qwen-Image-Edit's usual setting)."""
@@ -117,11 +149,21 @@ def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, 
 
 
 def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
-    """(linear, attention) FLOPs of one step. Modulation linears see one token, so they are left out."""
+    """(linear, attention) FLOPs of one step, 2 per weight and token in the blocks' linears. Image (and reference)
+    tokens pass a dual-stream block's image weights, text tokens its text weights, every token the single-stream
+    and shared ones (FLUX 1024²: 59.5 T linear + 14.9 T attention, seed 001's 74 TFLOPs). Modulation linears see
+    one token; outside the blocks are embedders and the final layer, one token or a thin layer each: both left out."""
     n = sequence_tokens(spec, wl)
-    tokenwise = spec.dit_params - spec.modulation_params
+    n_text = spec.tokens(wl.width, wl.height, wl.frames) - spec.image_tokens(wl.width, wl.height, wl.frames)
+    n_image = n - n_text
+    kinds, scale = _block_kinds(spec)
+    if kinds:
+        per_pass = scale * sum(k.count * (n_image * (k.params - k.modulation - k.text_stream)
+                                          + n_text * (k.params - k.modulation - k.image_stream)) for k in kinds)
+    else:
+        per_pass = n * max(0.0, spec.dit_params * spec.block_fraction - spec.modulation_params)
     mult = wl.batch * dit_passes(spec, wl)
-    return 2 * tokenwise * n * mult, 4 * spec.n_blocks * n * n * spec.hidden * mult
+    return 2 * per_pass * mult, 4 * spec.n_blocks * n * n * spec.hidden * mult
 
 
 def compute_seconds_per_step(spec: ModelSpec, wl: Workload, machine: Machine, precision: Precision,
@@ -180,31 +222,38 @@ def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
 
 def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: Workload, machine: Machine,
                    step_seconds: float, pinned: bool = True, quantize_modulation: bool = False) -> Streaming | None:
-    """Block groups that fit ``dit_budget``: a resident prefix plus (depth + 1) streamed slots."""
+    """Block groups that fit ``dit_budget``, laid out as GroupPrefetch lays them: the first groups in execution
+    order stay resident (FLUX's are its big double blocks), the others stream through (depth + 1) slots that each
+    hold the widest streamed group. Every block of a step is timed the same (a FLUX double and a single block pass
+    a token through the same FLOPs); their bytes differ."""
     total = dit_weight_bytes(spec, precision, quantize_modulation)
-    block_bytes = int(total * spec.block_fraction / spec.n_blocks)
-    rest = total - block_bytes * spec.n_blocks
+    sizes = dit_block_bytes(spec, precision, quantize_modulation)
+    n = len(sizes)
+    rest = max(0, total - sum(sizes))
     bw = (machine.bandwidth.pinned_gbps if pinned else machine.bandwidth.pageable_gbps) * 1e9
-    per_block_compute = step_seconds / spec.n_blocks / dit_passes(spec, wl)
+    passes = dit_passes(spec, wl)
+    per_block_compute = step_seconds / n / passes
     # Groups of at least ~64 MiB amortise per-copy overhead; video blocks are big enough alone.
-    bpg = max(1, min(spec.n_blocks, math.ceil(64 * 1024 ** 2 / max(1, block_bytes))))
-    group_bytes = bpg * block_bytes
-    n_groups = -(-spec.n_blocks // bpg)
+    bpg = max(1, min(n, math.ceil(64 * 1024 ** 2 / max(1, sum(sizes) / n))))
+    groups = [sum(sizes[i:i + bpg]) for i in range(0, n, bpg)]
     # depth 1: every byte past two slots buys resident groups (fewer bytes streamed); GroupPrefetch picks its
     # own depth from the measured step, so the plan's is only the layout it sized
     depth = 1
     usable = int(dit_budget * STREAM_HEADROOM) - rest
-    if usable < (depth + 1) * group_bytes:
-        return None
-    resident = min(n_groups, (usable - (depth + 1) * group_bytes) // group_bytes)
-    if resident >= n_groups:
+    if sum(groups) <= usable:
         return None  # everything fits: not a streaming plan
-    streamed_blocks = spec.n_blocks - resident * bpg
-    t_block = block_bytes / bw
-    return Streaming(n_blocks=spec.n_blocks, blocks_per_group=bpg, prefetch_depth=depth, resident_groups=int(resident),
-                     streamed_bytes_per_step=int(streamed_blocks * block_bytes * dit_passes(spec, wl)),
-                     block_bytes=block_bytes, transfer_seconds_per_block=t_block,
-                     compute_seconds_per_block=per_block_compute, hides_transfer=t_block <= per_block_compute)
+    # the longest resident prefix whose slots (for the groups after it) still fit
+    resident = next((r for r in range(len(groups) - 1, -1, -1)
+                     if sum(groups[:r]) + (depth + 1) * max(groups[r:]) <= usable), None)
+    if resident is None:
+        return None
+    streamed_blocks = n - resident * bpg
+    streamed = sum(sizes[resident * bpg:])
+    t_block = streamed / streamed_blocks / bw
+    return Streaming(n_blocks=n, blocks_per_group=bpg, prefetch_depth=depth, resident_groups=resident,
+                     streamed_bytes_per_step=int(streamed * passes), block_bytes=round(streamed / streamed_blocks),
+                     transfer_seconds_per_block=t_block, compute_seconds_per_block=per_block_compute,
+                     hides_transfer=t_block <= per_block_compute, slot_bytes=max(groups[resident:]))
 
 
 PACKED_WIRE_RATIO = 0.765    # packed bf16 bytes / bf16 bytes planned at the H200 budgets (split_plan_dry.py)
@@ -245,7 +294,7 @@ def _dit_options(spec, wl, machine, budget, act, notes) -> list[_DitOption]:
         return _dit_options_for(spec, wl, machine, budget, act, stored, False, fp8c)
     opts = []
     for p in available_precisions(machine, notes):
-        for qmod in ((False, True) if p.is_quantized else (False,)):
+        for qmod in ((False, True) if p.is_quantized and spec.modulation_params else (False,)):
             opts.extend(_dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c))
     return opts
 
@@ -263,8 +312,8 @@ def _dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c) -> list[_Dit
         bw = machine.bandwidth.pinned_gbps * 1e9
         streamed_compute = step * (st.n_blocks - st.resident_groups * st.blocks_per_group) / st.n_blocks
         extra = wl.steps * max(0.0, streamed / bw - streamed_compute)
-        resident = wb - st.block_bytes * (st.n_blocks - st.resident_groups * st.blocks_per_group) \
-            + st.block_bytes * st.blocks_per_group * (st.prefetch_depth + 1)
+        # on the GPU: everything but the streamed blocks, plus the slots they stream through
+        resident = wb - streamed // dit_passes(spec, wl) + st.slot_bytes * (st.prefetch_depth + 1)
         opts.append(_DitOption(p, Residency.STREAMED, wb, min(wb, resident), st, extra, step, qmod))
     return opts
 
@@ -336,6 +385,8 @@ class _Candidate:
     extra: float
     total_seconds: float
     loss: float
+    move_seconds: float = 0.0   # the part of ``extra`` that copies whole components to the GPU (phase loads, expert
+                                # swaps, the text encoder's load), timed at the pinned bandwidth; streaming is the DiT's
 
 
 def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | None:
@@ -371,12 +422,13 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
             moves += loads * dit.weight_bytes / bw_pin
     if vae_res is Residency.PHASE:
         moves += vae_w / bw_pin
+    te_move = te.extra_seconds if te.residency is Residency.PHASE else 0.0    # on the CPU its seconds are compute
     extra = dit.extra_seconds_per_gen + te.extra_seconds + moves
     if tiling is not None:
         extra += 0.15 * vae_peak / 1e9  # overlap recompute; small
     total = dit.step_seconds * wl.steps + extra
     loss = LOSS_RANK[dit.precision] + te.loss + (0.25 if dit.quantize_modulation else 0.0)
-    return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss)
+    return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss, moves + te_move)
 
 
 def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
@@ -482,8 +534,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     extra = c.extra
     streaming = c.dit.streaming
     if not pin and pin_total:
-        # Pageable copies are slower: rescale the movement part of the extra seconds, and time a streamed
-        # DiT's copies at the pageable bandwidth (a copy that hides when pinned may not hide any more).
+        # Pageable copies are slower: rescale the copies among the extra seconds (the text encoder's load too; not
+        # a CPU encode or tiled-decode recompute), and time a streamed DiT's copies at the pageable bandwidth (a
+        # copy that hides when pinned may not hide any more).
         ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
         dit_extra = c.dit.extra_seconds_per_gen * ratio
         if streaming is not None:
@@ -494,7 +547,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
             n_streamed = streaming.n_blocks - streaming.resident_groups * streaming.blocks_per_group
             dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
                                        - c.dit.step_seconds * n_streamed / streaming.n_blocks)
-        extra = c.te.extra_seconds + (c.extra - c.te.extra_seconds - c.dit.extra_seconds_per_gen) * ratio + dit_extra
+        extra = c.extra - c.dit.extra_seconds_per_gen + c.move_seconds * (ratio - 1) + dit_extra
     dit_notes = []
     if c.dit.precision.is_quantized and stored_precision(spec) is None:     # QuantizeDiT's census, not a file's
         kept = spec.dit_kept_params + (0 if c.dit.quantize_modulation else spec.modulation_params)
@@ -510,8 +563,9 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if streaming is not None:
         s = streaming
         dit_notes.append(f"streams {s.n_blocks - s.resident_groups * s.blocks_per_group} of {s.n_blocks} blocks per step "
-                         f"({s.streamed_bytes_per_step / GiB:.1f} GiB); per block {s.transfer_seconds_per_block * 1e3:.1f} ms "
-                         f"copy vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
+                         f"({s.streamed_bytes_per_step / GiB:.1f} GiB) through {s.prefetch_depth + 1} slots of "
+                         f"{s.slot_bytes / GiB:.2f} GiB; per block {s.transfer_seconds_per_block * 1e3:.1f} ms copy "
+                         f"(mean of the streamed blocks) vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
                          + ("the copy hides behind compute" if s.hides_transfer else "the copy cannot fully hide"))
         if not s.hides_transfer:
             dit_notes.append("copy-bound streaming: the step is the bus, for GroupPrefetch and ComfyUI's lowvram "

@@ -10,17 +10,24 @@ from .types import Component, Goal, Precision, Residency
 
 @dataclass(frozen=True)
 class Streaming:
-    """How a streamed DiT is cut into block groups (GroupPrefetch)."""
+    """How a streamed DiT is cut into block groups (GroupPrefetch): the first ``resident_groups`` groups in execution
+    order stay on the GPU, the others stream through ``prefetch_depth + 1`` slots of ``slot_bytes`` each.
+
+    Blocks may differ in size (FLUX in bf16: 19 double blocks of 680 MB, then 38 single blocks of 283 MB), so
+    ``block_bytes`` is the mean of the streamed blocks (streamed bytes per pass / streamed blocks): the copy time per
+    block and whether it hides are for that mean, which is the whole step's balance. A slot holds the widest
+    streamed group, not the mean."""
 
     n_blocks: int
     blocks_per_group: int
     prefetch_depth: int
     resident_groups: int
     streamed_bytes_per_step: int
-    block_bytes: int
+    block_bytes: int                # mean bytes of a streamed block
     transfer_seconds_per_block: float
     compute_seconds_per_block: float
     hides_transfer: bool
+    slot_bytes: int = 0             # one slot: the widest streamed group (0 in plans written before 2026-12-01)
 
     @property
     def n_groups(self) -> int:

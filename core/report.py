@@ -49,7 +49,8 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
         if c.streaming:
             s = c.streaming
             lines.append(f"- {c.name}: GroupPrefetch {s.blocks_per_group} block(s)/group, prefetch depth "
-                         f"{s.prefetch_depth}, {s.resident_groups} resident group(s) of {s.n_groups}")
+                         f"{s.prefetch_depth}, {s.resident_groups} resident group(s) of {s.n_groups}"
+                         + (f", slots of {gib(s.slot_bytes)} (the widest streamed group)" if s.slot_bytes else ""))
     for n in plan.notes:
         lines.append(f"- {n}")
     if machine is not None:

@@ -18,10 +18,73 @@ def machine(vram, ram=64, bw=25.0, **kw):
     return synthetic_machine(vram_gb=vram, ram_gb=ram, h2d_gbps=bw, **kw)
 
 
-# seed 000's table: weights of the denoising network per precision (GB = 1024**3 there)
+# Parameter counts of ComfyUI's model classes at the published shapes (comfy/ldm), as the shapes' arithmetic; the
+# literals are the same classes counted on the meta device (2026-12-01).
+def linear(fan_in, fan_out):
+    return fan_in * fan_out + fan_out            # weight + bias
+
+
+H = 3072                                         # FLUX, HunyuanVideo, Qwen-Image
+MOD_DOUBLE = 2 * linear(H, 6 * H)                # img_mod + txt_mod of a double (MMDiT) block
+STREAM = linear(H, 3 * H) + 2 * 128 + linear(H, H) + linear(H, 4 * H) + linear(4 * H, H)   # qkv, qk-norm, proj, MLP
+DOUBLE = MOD_DOUBLE + 2 * STREAM
+SINGLE = linear(H, 3 * H) + linear(H, 7 * H) + linear(5 * H, H) + 2 * 128   # modulation, linear1, linear2, qk-norm
+assert (STREAM, DOUBLE, SINGLE) == (113_274_112, 339_831_296, 141_591_808)
+S = 2432                                         # SD3.5 Large: 64 x 38, heads of 64
+SD_MOD, SD_QKV = linear(S, 6 * S), linear(S, 3 * S) + 2 * 64
+SD_STREAM = SD_QKV + linear(S, S) + linear(S, 4 * S) + linear(4 * S, S)
+SD_BLOCK = 2 * (SD_MOD + SD_STREAM)
+SD_LAST = SD_MOD + SD_STREAM + linear(S, 2 * S) + SD_QKV     # the last block's text stream: modulation x2 and qkv only
+assert (SD_BLOCK, SD_LAST) == (212_999_680, 136_085_248)
+
+
+def wan_block(d, ffn):           # self + cross attention q, k, v, o; 4 RMS norms, an affine LayerNorm, FFN, 6 x d table
+    return 8 * linear(d, d) + 4 * d + 2 * d + linear(d, ffn) + linear(ffn, d) + 6 * d
+
+
+WAN14_BLOCK, WAN13_BLOCK = wan_block(5120, 13824), wan_block(1536, 8960)
+assert (WAN14_BLOCK, WAN13_BLOCK) == (351_394_304, 46_440_704)
+# outside Wan 14B's blocks: patch embedding, text embedding, time embedding, time projection d x 6d, head
+assert (16 * 4 * 5120 + 5120) + (linear(4096, 5120) + linear(5120, 5120)) + (linear(256, 5120) + linear(5120, 5120)) \
+    + linear(5120, 6 * 5120) + (linear(5120, 64) + 2 * 5120) == 232_719_424
+ARCH = {  # preset: (blocks in execution order as (count, parameters of one), modulation linears in them, all params)
+    "flux1-dev": ([(19, DOUBLE), (38, SINGLE)], 19 * MOD_DOUBLE + 38 * linear(H, 3 * H), 11_901_408_320),
+    "hunyuanvideo": ([(20, DOUBLE), (40, SINGLE)], 20 * MOD_DOUBLE + 40 * linear(H, 3 * H), 12_821_012_544),
+    "qwen-image": ([(60, DOUBLE)], 60 * MOD_DOUBLE, 20_430_401_088),
+    "sd3.5-large": ([(37, SD_BLOCK), (1, SD_LAST)], 38 * 2 * SD_MOD - SD_MOD + linear(S, 2 * S), 8_146_280_768),
+    "wan2.1-14b": ([(40, WAN14_BLOCK)], 0, 14_288_491_584),
+    "wan2.2-a14b": ([(40, WAN14_BLOCK)], 0, 14_288_491_584),      # per expert
+    "wan2.1-1.3b": ([(30, WAN13_BLOCK)], 0, 1_418_996_800),
+}
+FLUX_BLOCK_BYTES = [2 * DOUBLE] * 19 + [2 * SINGLE] * 38         # bf16, in execution order
+
+
+@pytest.mark.parametrize("model", sorted(ARCH))
+def test_presets_hold_the_parameters_of_the_architecture(model):
+    """Qwen-Image's modulation linears were 3.8 B (6.80 B), SD3.5 Large's 1.3 B (2.67 B), HunyuanVideo's 2.1 B
+    (3.40 B): fp8/nf4 plans, which keep them 16-bit, under-counted the bytes. Wan 14B was 14.0 B (14.29 B)."""
+    blocks, modulation, total = ARCH[model]
+    spec = get_preset(model)
+    in_blocks = sum(count * params for count, params in blocks)
+    outside = total - in_blocks
+    assert [(k.count, k.params) for k in spec.blocks] == blocks and spec.n_blocks == sum(c for c, _ in blocks)
+    assert spec.modulation_params == modulation
+    assert spec.dit_params == pytest.approx(total, rel=1e-5)
+    assert spec.block_fraction == pytest.approx(in_blocks / total, rel=1e-5)
+    assert spec.dit_kept_params == pytest.approx(outside, rel=2e-3)       # embedders, final layer: kept 16-bit
+    # what QuantizeDiT's census leaves: fp8 block linears with an fp32 scale per output row; the modulation linears
+    # and everything outside the blocks 16-bit
+    quantized = in_blocks - modulation
+    assert dit_weight_bytes(spec, Precision.BF16) == pytest.approx(2 * total, rel=1e-5)
+    assert dit_weight_bytes(spec, Precision.FP8_E4M3FN) == pytest.approx(
+        quantized + 4 * quantized / spec.hidden + 2 * (modulation + outside), rel=1e-4)
+
+
+# seed 000's table: weights of the denoising network per precision (GB = 1024**3 there). Wan 14B and HunyuanVideo
+# bf16 are ComfyUI's parameter counts (14.29 B: the public 28.6 GB file; 12.82 B), not the seed's rounded 14 B / 13 B
 @pytest.mark.parametrize("model,bf16,fp8,nf4", [
-    ("sdxl", 4.8, 2.4, 1.4), ("flux1-dev", 22.2, 11.1, 6.2), ("wan2.1-14b", 26.1, 13.0, 7.3),
-    ("hunyuanvideo", 23.7, 11.8, 6.7)])
+    ("sdxl", 4.8, 2.4, 1.4), ("flux1-dev", 22.2, 11.1, 6.2), ("wan2.1-14b", 26.6, 13.0, 7.3),
+    ("hunyuanvideo", 23.9, 11.8, 6.7)])
 def test_weight_bytes_match_seed_table(model, bf16, fp8, nf4):
     spec = get_preset(model)
     assert dit_weight_bytes(spec, Precision.BF16) / GiB == pytest.approx(bf16, abs=0.15)
@@ -84,9 +147,11 @@ def test_quality_goal_keeps_bf16_by_streaming_on_16gb():
     s = dm.streaming
     assert s.resident_groups < s.n_groups
     assert p.predicted_peak_bytes <= 16 * GiB
-    # every streamed block crosses the bus once per step (seed 000: ~24 GB/step when nothing is resident)
+    # every streamed block crosses the bus once per step (seed 000: ~24 GB/step when nothing is resident); the
+    # streamed ones are the last in execution order (FLUX's single blocks), block_bytes is their mean
     streamed_blocks = s.n_blocks - s.resident_groups * s.blocks_per_group
-    assert s.streamed_bytes_per_step == streamed_blocks * s.block_bytes
+    assert s.streamed_bytes_per_step == sum(FLUX_BLOCK_BYTES[-streamed_blocks:])
+    assert s.block_bytes == round(s.streamed_bytes_per_step / streamed_blocks)
 
 
 def test_fit_goal_prefers_nf4_without_streaming():
@@ -102,7 +167,7 @@ def test_video_streaming_hides_transfers_and_stays_lossless():
     assert p.fits
     assert dm.precision is Precision.BF16 and dm.residency is Residency.STREAMED
     assert dm.streaming.hides_transfer
-    assert dm.streaming.transfer_seconds_per_block == pytest.approx(14.0e9 * 2 * 0.97 / 40 / 25e9, rel=0.05)
+    assert dm.streaming.transfer_seconds_per_block == pytest.approx(WAN14_BLOCK * 2 / 25e9, rel=0.001)
     assert p.vae.tiling is not None and p.vae.tiling.temporal_frames  # 81 frames do not decode at once
 
 
@@ -355,7 +420,7 @@ def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
     wl = Workload(832, 480, 81, 20)
     one, two = get_preset("wan2.1-14b"), get_preset("wan2.2-a14b")
     assert two.experts == 2 and one.experts == 1
-    roomy = machine(24, ram=64)
+    roomy = machine(24, ram=72)
     a, b = plan(one, wl, roomy), plan(two, wl, roomy)
     assert (a.diffusion_model.precision, a.diffusion_model.residency) == \
         (b.diffusion_model.precision, b.diffusion_model.residency)
@@ -363,6 +428,12 @@ def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
     assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes   # the other waits in host RAM
     assert "one copy per expert" in format_plan(b, roomy) and "one copy per expert" not in format_plan(a, roomy)
     assert any("model_2" in n for n in b.diffusion_model.notes)
+    # 64 GiB of RAM: two bf16 experts (2 x 28.6 GB) and a bf16 UMT5 (11.4 GB) need 64.1 GiB, so the experts stay
+    # bf16 and stream as on 72 GiB, and the text encoder goes fp8
+    a, b = plan(one, wl, machine(24, ram=64)), plan(two, wl, machine(24, ram=64))
+    assert (b.diffusion_model.precision, b.diffusion_model.residency) == (Precision.BF16, Residency.STREAMED)
+    assert a.text_encoder.precision is Precision.BF16 and b.text_encoder.precision is Precision.FP8_E4M3FN
+    assert b.host_bytes <= 64 * GiB < b.host_bytes + b.text_encoder.weight_bytes
     # 48 GiB of RAM holds one bf16 14B DiT with its text encoder, not two: the experts go fp8
     tight = machine(24, ram=48)
     a, b = plan(one, wl, tight), plan(two, wl, tight)
@@ -402,7 +473,8 @@ def test_reference_images_of_edit_models_join_the_sequence():
     n0, n1 = 4096 + text, 2 * 4096 + text
     assert activation_bytes(spec, edit) * n0 == activation_bytes(spec, plain) * n1
     (lin0, att0), (lin1, att1) = step_flops(spec, plain), step_flops(spec, edit)
-    assert lin1 * n0 == lin0 * n1 and att1 * n0 ** 2 == att0 * n1 ** 2
+    # (FLUX's image and text streams weigh the same, so every token costs the same linear FLOPs)
+    assert lin1 * n0 == pytest.approx(lin0 * n1, rel=1e-12) and att1 * n0 ** 2 == att0 * n1 ** 2
     m = machine(16)
     a, b = plan(spec, plain, m), plan(spec, edit, m)
     assert b.activation_bytes * n0 == a.activation_bytes * n1
@@ -413,3 +485,91 @@ def test_reference_images_of_edit_models_join_the_sequence():
     assert plan(spec, big, machine(8)).predicted_peak_bytes > plan(spec, Workload(1408, 1408), machine(8)).predicted_peak_bytes
     with pytest.raises(ConfigError, match="references"):
         plan(spec, Workload(1024, 1024, references=-1), m)
+
+
+@pytest.mark.parametrize("model,w,h,f,vram,sizes", [
+    ("flux1-dev", 1024, 1024, 1, 12, FLUX_BLOCK_BYTES), ("flux1-dev", 1024, 1024, 1, 16, FLUX_BLOCK_BYTES),
+    ("flux1-dev", 1024, 1024, 1, 24, FLUX_BLOCK_BYTES),
+    ("hunyuanvideo", 960, 544, 61, 24, [2 * DOUBLE] * 20 + [2 * SINGLE] * 40)])
+def test_a_streamed_plan_holds_the_layout_of_the_real_blocks(model, w, h, f, vram, sizes):
+    """FLUX's 19 double blocks (680 MB in bf16) run before its 38 single blocks (283 MB): GroupPrefetch's resident
+    prefix is double blocks, and each slot holds the widest streamed group. Planned as 57 blocks of the mean
+    (408 MB), FLUX on 16 GiB was given 12.93 GiB on the GPU for a layout that needs 15.84 GiB."""
+    spec = get_preset(model)
+    p = plan(spec, Workload(w, h, f, spec.default_steps), machine(vram), goal="quality")
+    dm, s = p.diffusion_model, p.diffusion_model.streaming
+    assert dm.precision is Precision.BF16 and dm.residency is Residency.STREAMED
+    k, g = s.resident_groups * s.blocks_per_group, s.blocks_per_group
+    widest = max(sum(sizes[i:i + g]) for i in range(k, len(sizes), g))
+    outside = 2 * ARCH[model][2] - sum(sizes)
+    need = outside + sum(sizes[:k]) + (s.prefetch_depth + 1) * widest
+    assert dm.resident_bytes == pytest.approx(need, abs=2 ** 20)
+    assert s.slot_bytes == pytest.approx(widest, abs=64) and s.streamed_bytes_per_step == pytest.approx(
+        sum(sizes[k:]), abs=2 ** 10)
+    assert need + p.activation_bytes <= p.budget_bytes                    # the real layout fits the card
+    assert s.block_bytes == round(s.streamed_bytes_per_step / (s.n_blocks - k))      # the streamed blocks' mean
+
+
+def test_block_kinds_follow_a_measured_model_or_give_way_to_equal_blocks():
+    """Recommend measures a model's parameters, block count and the blocks' share, not each kind: the preset's kinds
+    keep their proportions at the measured size, and a block count they do not describe plans equal blocks."""
+    import dataclasses
+
+    from comfyui_levers.core.plan import dit_block_bytes
+
+    flux = get_preset("flux1-dev")
+    half = dataclasses.replace(flux, dit_params=flux.dit_params / 2)
+    sizes = dit_block_bytes(half, Precision.BF16)
+    assert sizes[0] / sizes[-1] == pytest.approx(DOUBLE / SINGLE, rel=1e-6)
+    assert sum(sizes) == pytest.approx(flux.dit_params * flux.block_fraction, rel=1e-6)
+    other = dataclasses.replace(flux, n_blocks=5, block_fraction=0.9)
+    assert dit_block_bytes(other, Precision.BF16) == [int(dit_weight_bytes(other, Precision.BF16) * 0.9 / 5)] * 5
+    # fp8 keeps each block's modulation 16-bit: a double block (a third modulation) shrinks less than a single
+    fp8 = dit_block_bytes(flux, Precision.FP8_E4M3FN)
+    assert fp8[0] == pytest.approx((DOUBLE - MOD_DOUBLE) * (1 + 4 / H) + 2 * MOD_DOUBLE, rel=1e-6)
+    assert fp8[-1] == pytest.approx((SINGLE - linear(H, 3 * H)) * (1 + 4 / H) + 2 * linear(H, 3 * H), rel=1e-6)
+
+
+def test_step_flops_send_each_token_through_its_own_stream():
+    """Image tokens pass a dual-stream block's image weights and text tokens its text weights, not both: FLUX at
+    1024² is seed 001's 74 TFLOPs (counted with every token through every weight it was 94.8); SD3.5 Large and
+    Qwen-Image were 2.2x and 2.0x their count from the shapes."""
+    from comfyui_levers.core.plan import step_flops
+
+    # FLUX 1024²: 4096 image + 512 text tokens, one pass; a token meets 113.27 M weights in every block
+    lin, attn = step_flops(get_preset("flux1-dev"), Workload(1024, 1024))
+    assert lin == pytest.approx(2 * 4608 * (19 * STREAM + 38 * (SINGLE - linear(H, 3 * H))), rel=1e-6)
+    assert attn == 4 * 57 * 4608 ** 2 * 3072
+    assert (lin + attn) / 1e12 == pytest.approx(74, rel=0.01)
+    # SD3.5 Large 1024²: 4096 image + 333 text tokens, cond + uncond; the last block's text stream is its qkv
+    lin, _ = step_flops(get_preset("sd3.5-large"), Workload(1024, 1024))
+    assert lin == pytest.approx(2 * 2 * (4096 * 38 * SD_STREAM + 333 * (37 * SD_STREAM + SD_QKV)), rel=1e-6)
+    # Qwen-Image 1328²: 83² image + 256 text tokens, cond + uncond
+    lin, _ = step_flops(get_preset("qwen-image"), Workload(1328, 1328))
+    assert lin == pytest.approx(2 * 2 * (83 ** 2 + 256) * 60 * STREAM, rel=1e-6)
+
+
+def test_text_encoder_load_is_timed_at_the_pageable_bandwidth_when_pinning_is_off():
+    """FLUX on 16 GiB with 40 GiB of RAM: nothing is pinned, so every copy runs at the pageable bandwidth; the text
+    encoder's load (9.8 GB) was still timed at the pinned one."""
+    m = machine(16, ram=40)
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+    dm, te, s = p.diffusion_model, p.text_encoder, p.diffusion_model.streaming
+    assert any(n.startswith("pinning: off") for n in p.notes)
+    assert dm.residency is Residency.STREAMED and te.residency is Residency.PHASE
+    assert p.vae.residency is Residency.RESIDENT
+    bw = m.bandwidth.pageable_gbps * 1e9
+    streamed = s.n_blocks - s.resident_groups * s.blocks_per_group
+    step = p.workload["predicted_step_seconds"]
+    stream = 28 * max(0.0, s.streamed_bytes_per_step / bw - step * streamed / s.n_blocks)
+    loads = (dm.resident_bytes + te.weight_bytes) / bw                   # the DiT's resident part, the text encoder
+    assert p.predicted_extra_seconds == pytest.approx(stream + loads, abs=0.02)
+
+
+def test_vae_bytes_per_pixel_follow_the_decoders_full_resolution_width():
+    """Untiled decode peak per output pixel: 16 bytes per channel of the decoder's full-resolution feature maps. FLUX's
+    and HunyuanVideo's decoders (block_out_channels 128, 256, 512, 512) are 128 channels wide there, Wan's 96;
+    HunyuanVideo was planned at Wan's width."""
+    for model, channels in (("flux1-dev", 128), ("hunyuanvideo", 128), ("wan2.1-14b", 96), ("wan2.1-1.3b", 96)):
+        assert get_preset(model).vae_bytes_per_px == 16 * channels, model
+    assert vae_decode_bytes(get_preset("hunyuanvideo"), Workload(1280, 720, 129)) == 1280 * 720 * 129 * 16 * 128
