@@ -22,6 +22,14 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _demo_size(text: str) -> int:
+    v = _positive_int(text)
+    if v < 32 or v % 16:
+        raise argparse.ArgumentTypeError(f"{v} must be a multiple of 16 and at least 32 (the demo's latent is 1/8 of "
+                                         "the image and its DiT takes 2x2 patches), e.g. 256")
+    return v
+
+
 def _add_recommend(sub) -> None:
     from .core.presets import PRESETS
 
@@ -70,7 +78,7 @@ def _run_recommend(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="run a tiny random-weight DiT + VAE pipeline with the plan's levers (no downloads)")
     p.add_argument("--steps", type=_positive_int, default=4)
-    p.add_argument("--size", type=_positive_int, default=256, help="image size in pixels")
+    p.add_argument("--size", type=_demo_size, default=256, help="image size in pixels (a multiple of 16, >= 32)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_demo)
 

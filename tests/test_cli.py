@@ -85,3 +85,14 @@ def test_demo_runs_every_lever_and_keeps_lossless_ones_exact():
     assert levers["TiledVAEDecode"]["psnr_db"] > 40
     assert "Levers plan" in report.text
     assert report.data["peak_memory_bytes"] > 0 and "peak memory" in report.text
+
+
+@pytest.mark.parametrize("size", ["24", "40", "100", "16"])
+def test_demo_size_that_the_tiny_pipeline_cannot_take_is_named(size, capsys):
+    """Found in review: --size 24 or 40 (multiples of 8, not 16) crashed in the DiT's patchify with a traceback."""
+    from comfyui_levers.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--size", size])
+    assert e.value.code == 2
+    assert "--size" in capsys.readouterr().err
