@@ -694,9 +694,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     import comfy.patcher_extension as pe
 
     require_model(model)
-    diffusion = model.model.diffusion_model
     try:
-        layout = find_blocks(diffusion)
+        layout = find_blocks(model.model.diffusion_model)     # a clone shares the diffusion model
     except ValueError as e:
         # an architecture whose layers run in no streamable block structure (Stable Cascade's levels of mixed
         # blocks): the graph still runs, ComfyUI loads the model as usual
@@ -705,7 +704,6 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
                        "apply to it.")
     clone = model.clone()
     diffusion = clone.model.diffusion_model
-    layout = find_blocks(diffusion)
     state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached

@@ -561,21 +561,34 @@ def _spy_auto_budget(monkeypatch, env, free: int):
     return seen
 
 
-def _kept_for_the_slots(monkeypatch, env, run) -> list:
-    """``run()`` with the engine's request for its slots' room recorded (as if its device were a GPU): the
-    keep_loaded list of each request."""
+def _slot_requests(monkeypatch, mm, gpu: bool = False, call_through: bool = True) -> list:
+    """Record what the engine asks ComfyUI to free for its slots when it attaches: (need, run_room, keep_loaded) per
+    request. ``gpu``: as if the load device were a GPU (an emulated card sets that itself); ``call_through``:
+    ComfyUI's own free_memory then runs."""
     import comfyui_levers.bridge.prefetch as bp
 
-    calls, attach = [], bp._Session.attach
+    asked, attach, free_memory = [], bp._Session.attach, mm.free_memory
 
     def spy(self):
+        def request(need, device, keep_loaded=()):
+            asked.append((need, self.run_room, list(keep_loaded)))
+            if call_through:
+                free_memory(need, device, keep_loaded=keep_loaded)
         with monkeypatch.context() as m:
-            m.setattr(env.mm, "is_device_cpu", lambda device: False)
-            m.setattr(env.mm, "free_memory", lambda need, device, keep_loaded=(): calls.append(list(keep_loaded)))
+            if gpu:
+                m.setattr(mm, "is_device_cpu", lambda device: False)
+            m.setattr(mm, "free_memory", request)
             return attach(self)
     monkeypatch.setattr(bp._Session, "attach", spy)
+    return asked
+
+
+def _kept_for_the_slots(monkeypatch, env, run) -> list:
+    """``run()`` with the engine's request for its slots' room recorded (as if its device were a GPU, nothing
+    freed): the keep_loaded list of each request."""
+    asked = _slot_requests(monkeypatch, env.mm, gpu=True, call_through=False)
     run()
-    return calls
+    return [keep for _, _, keep in asked]
 
 
 def test_auto_budget_is_what_comfyuis_own_load_would_give_this_model(comfy_env, tiny_wan, monkeypatch):
@@ -732,21 +745,6 @@ def _loaded_elsewhere(mm, mib: int):
     return other
 
 
-def _asked_for_the_slots(monkeypatch, mm):
-    """Record what the engine asks ComfyUI to free for its slots: (need, run_room) per request."""
-    import comfyui_levers.bridge.prefetch as bp
-
-    asked, attach, free_memory = [], bp._Session.attach, mm.free_memory
-
-    def spy(self):
-        with monkeypatch.context() as m:
-            m.setattr(mm, "free_memory", lambda need, device, keep_loaded=[]: (
-                asked.append((need, self.run_room)), free_memory(need, device, keep_loaded=keep_loaded))[1])
-            return attach(self)
-    monkeypatch.setattr(bp._Session, "attach", spy)
-    return asked
-
-
 def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_room(comfy_env, tiny_wan, monkeypatch):
     """With a model already loaded that the auto budget counts as room, ComfyUI's load frees only what the
     resident part needs; the engine's request for its slots must also free the run's room, or the activations
@@ -766,14 +764,14 @@ def test_the_run_keeps_its_activation_room_when_another_model_was_counted_as_roo
     free_at_forward = []
     hook = clone.model.diffusion_model.blocks[-1].register_forward_hook(
         lambda *a: free_at_forward.append(mm.get_free_memory(torch.device("cpu"))))
-    asked = _asked_for_the_slots(monkeypatch, mm)
+    asked = _slot_requests(monkeypatch, mm)
     try:
         tiny_wan.sample(clone)
     finally:
         hook.remove()
     stats = state.last_stats
     assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
-    (need, run_room), = asked
+    (need, run_room, _), = asked
     assert run_room >= int(activations) and need == stats["slot_bytes"] + stats["staging_bytes"] + run_room
     assert free_at_forward[0] >= activations, (free_at_forward[0] / mib, activations / mib, state.last_report)
     assert other.loaded_size() == 0, "the card is too small for both: the other model made room"
@@ -797,11 +795,11 @@ def test_the_slots_unload_other_models_only_as_far_as_they_need(comfy_env, tiny_
                                      {"positive": sh.convert_cond(pos), "negative": sh.convert_cond(neg)})[0]
     _emulate_card(monkeypatch, mm, int(18 * mib + activations + 16 * mib + mib), state)
     other = _loaded_elsewhere(mm, 16)
-    asked = _asked_for_the_slots(monkeypatch, mm)
+    asked = _slot_requests(monkeypatch, mm)
     out = tiny_wan.sample(clone)["samples"]
     stats = state.last_stats
     assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
-    (need, run_room), = asked
+    (need, run_room, _), = asked
     assert need == stats["slot_bytes"] + stats["staging_bytes"] + run_room
     assert other.loaded_size() > 0, state.last_report
     assert "room asked of ComfyUI for the streaming slots" in state.last_report
