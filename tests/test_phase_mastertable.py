@@ -219,3 +219,53 @@ def test_a_wrapper_put_in_place_since_the_capture_is_adopted_at_load():
         assert m[1].weight is not fresh and table.wrapped["1.weight"].host is fresh
         m.to(CPU)
         assert m[1].weight is fresh
+
+
+def test_read_only_weights_are_rebound_to_pinned_copies_at_capture(read_only):
+    """A GGUF file's or ComfyUI 0.33's memory-mapped weights sit in a read-only mapping that cannot be
+    page-locked: at capture the store copies them, and the module's tensors (the same objects, tied ones too, and
+    the inner tensors of a wrapper weight) are rebound to the copies, which are then the masters."""
+    from test_prefetch_subclass import Fp8Wrapper
+
+    from comfyui_levers.core.residency.pinned import GIB, PinnedStore
+    from comfyui_levers.core.residency.transport import HostMaps, PinResult
+
+    class Pinning(CpuTransport):
+        pinned: list[int] = []
+
+        def pin(self, t):
+            self.pinned.append(t.data_ptr())
+            return PinResult(True, "pinned in place", t.nbytes)
+
+    m = _model()
+    w = m[1].weight.detach()
+    scale = (w.abs().amax() / 448.0).reshape(())
+    q = Fp8Wrapper(read_only((w / scale).to(torch.float8_e4m3fn)), scale)
+    q._is_param = True
+    m[1]._parameters["weight"] = q
+    m[0].weight.data = read_only(m[0].weight.data)            # tied to m[3].weight
+    emb = m[0].weight
+    ids = torch.tensor([[1, 2, 3]])
+    want = m(ids) * m.scale
+    inner = RecordingTransport(Pinning())
+    store = PinnedStore(inner, "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
+                        os_name="linux")
+    table = MasterTable(m, "dit", inner, store)
+    table.capture()
+    out = table.pin_outcome
+    assert out.pinned and out.copied_bytes == emb.nbytes + q._qdata.nbytes
+    maps = HostMaps.read()
+    assert m[0].weight is emb and m[3].weight is emb                      # same object, still tied
+    assert maps.writable(emb.data_ptr(), emb.nbytes) is True
+    moved = m[1].weight
+    assert type(moved) is Fp8Wrapper and maps.writable(moved._qdata.data_ptr(), moved._qdata.nbytes) is True
+    assert table.wrapped["1.weight"].host is moved
+    assert table.masters["0.weight"].host.data_ptr() == emb.data_ptr()
+    assert torch.equal(m(ids) * m.scale, want)
+    assert table.capture() == 0                                           # the copies are the masters now
+    with swap_module_to(table, DEV, CPU):
+        m.to(DEV)
+        assert torch.equal(m(ids) * m.scale, want)
+        m.to(CPU)
+    assert m[1].weight is moved and m[0].weight.data_ptr() == emb.data_ptr()
+    assert inner.ledger.d2h_bytes == 0

@@ -340,3 +340,29 @@ def test_tensors_keep_their_kind_across_onload_and_offload(ids, build_mode):
                 with torch.inference_mode(mode), torch.no_grad():
                     assert float(m.gain[-1]) == 1.5                      # a view of a rebound buffer
                     assert torch.equal(m(ids), want)
+
+
+def test_weights_in_read_only_memory_get_pinned_copies(ids, read_only):
+    """Weights a GGUF file or ComfyUI's memory-mapped loader hands over sit in a read-only file mapping, which
+    cannot be page-locked in place: the masters become writable copies (pinned), the module points at them, and
+    everything else is as for ordinary weights."""
+    from comfyui_levers.core.residency.transport import HostMaps
+
+    plain, managed = _model(), _model()
+    for mod in (managed.conv, managed.head):           # head's weight is tied to the embedding
+        mod.weight.data = read_only(mod.weight.data)
+    managed.gain = read_only(managed.gain)
+    assert managed.head.weight is managed.embed.weight
+    tr = CountingPin()
+    store = PinnedStore(tr, "auto", has_cuda=True, available_ram_bytes=1 << 40, os_name="linux")
+    h = apply_phase_offload(managed, PhaseConfig(name="dit"), tr, store)
+    pin = h.report()["pin"]
+    copied = sum(t.nbytes for t in (managed.conv.weight, managed.head.weight, managed.gain))
+    assert pin["pinned"] and pin["copied_bytes"] == copied and "copied first" in pin["reason"]
+    maps = HostMaps.read()
+    assert all(maps.writable(t.data_ptr(), t.nbytes) for t in [*managed.parameters(), *managed.buffers()])
+    assert managed.head.weight is managed.embed.weight           # still tied
+    for _ in range(2):
+        with h.phase():
+            assert torch.equal(managed(ids), plain(ids))
+    assert torch.equal(managed(ids), plain(ids))

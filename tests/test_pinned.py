@@ -192,3 +192,80 @@ def test_a_dropped_prefetch_store_unpins_what_it_pinned(packed):
     del store
     gc.collect()
     assert sorted(tr2.unpinned) == sorted(tr2.pinned)        # nothing unpinned twice
+
+
+# --- read-only memory (GGUF files, ComfyUI 0.33's memory-mapped loader) ----------------------------------------
+
+def test_host_maps_tell_read_only_file_mappings_from_writable_memory(read_only, tmp_path):
+    from comfyui_levers.core.residency.transport import HostMaps
+
+    ro, rw = read_only(torch.randn(4096)), torch.randn(4096)
+    maps = HostMaps.read()
+    assert maps.writable(ro.data_ptr(), ro.nbytes) is False
+    assert maps.writable(rw.data_ptr(), rw.nbytes) is True
+    # a range that runs into a hole, and mappings that cannot be read, are "unknown", never "writable"
+    fake = tmp_path / "maps"
+    fake.write_text("1000-2000 rw-p 00000000 00:00 0\n2000-3000 r--s 00000000 08:01 12 /models/x.gguf\n"
+                    "4000-5000 rw-p 00000000 00:00 0 [heap]\n")
+    m = HostMaps.read(str(fake))
+    assert m.writable(0x1000, 0x1000) is True and m.writable(0x1800, 0x1000) is False
+    assert m.writable(0x4800, 0x100) is True and m.writable(0x3800, 0x1000) is None
+    assert HostMaps.read(str(tmp_path / "absent")).writable(0x1000, 1) is None
+
+
+def test_read_only_groups_are_copied_into_writable_memory_before_pinning(read_only):
+    from comfyui_levers.core.residency.transport import HostMaps
+
+    values = [torch.randn(256), torch.randn(300), torch.randn(128)]
+    tensors = [read_only(values[0]), values[1], read_only(values[2])]
+    groups = group_by_storage([(f"w{i}", t) for i, t in enumerate(tensors)])
+    tr = PinningTransport()
+    out = _store(tr).pin_component("dit", groups)
+    assert out.pinned and sorted(out.relocated) == [0, 2]
+    assert out.copied_bytes == tensors[0].nbytes + tensors[2].nbytes and "copied first" in out.reason
+    maps = HostMaps.read()
+    for i, g in out.relocated.items():
+        assert maps.writable(g.host.data_ptr(), g.host.numel()) is True
+        assert torch.equal(g.host_view(g.refs[0]), values[i])
+    ro_ptrs = {tensors[0].data_ptr(), tensors[2].data_ptr()}
+    assert not ro_ptrs & set(tr.pinned)                   # read-only memory is never handed to cudaHostRegister
+    assert set(tr.pinned) == {out.relocated[0].host.data_ptr(), groups[1].host.data_ptr(),
+                              out.relocated[2].host.data_ptr()}
+
+
+@pytest.mark.parametrize("case", ["off", "no_cuda", "pin_fails", "views"])
+def test_read_only_memory_is_not_copied_when_nothing_will_be_pinned(read_only, case):
+    blob = read_only(torch.randn(4096))
+    named = [("a", blob[:64]), ("b", blob[4000:])] if case == "views" else [("a", blob)]
+    tr = PinningTransport(fail_after=0 if case == "pin_fails" else None)
+    store = PinnedStore(tr, "off" if case == "off" else "auto", None, available_ram_bytes=64 * GIB,
+                        total_ram_bytes=128 * GIB, os_name="linux", has_cuda=case != "no_cuda")
+    out = store.pin_component("dit", group_by_storage(named))
+    assert not out.pinned and out.relocated == {} and out.copied_bytes == 0
+    assert blob.data_ptr() not in tr.pinned
+    if case == "views":
+        assert "read-only" in out.reason and tr.pinned == []
+
+
+def test_pin_in_place_refuses_read_only_memory_and_consumes_the_error_a_failed_register_leaves(read_only,
+                                                                                           monkeypatch):
+    from comfyui_levers.core.residency import transport
+
+    calls, discarded = [], []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(ptr)
+            return 1                                        # cudaErrorInvalidValue
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    monkeypatch.setattr(transport, "discard_pending_cuda_error", lambda: discarded.append(1))
+    ro = read_only(torch.randn(1024))
+    res = transport.pin_in_place(ro)
+    assert not res.pinned and "read-only" in res.reason and calls == [] and discarded == []
+    rw = torch.randn(1024)
+    res = transport.pin_in_place(rw)
+    assert not res.pinned and "CUDA error 1" in res.reason
+    assert calls == [rw.data_ptr()] and discarded == [1]    # the stale error is taken before torch trips on it

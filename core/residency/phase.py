@@ -283,6 +283,9 @@ class PhaseHandle:
             if self.transport.ledger.d2h_bytes != d2h0:
                 self.transport.synchronize()  # copies home must have landed before they are masters
             groups = group_by_storage([item for hosted in per_slot for item in hosted])
+            # pinned before the leaves are cut: a group in read-only memory comes back as a writable copy
+            self.pin_outcome = self.store.pin_component(self.config.name, groups)
+            groups = [self.pin_outcome.relocated.get(gi, g) for gi, g in enumerate(groups)]
             where: dict[str, tuple[int, TensorRef]] = {}
             for gi, g in enumerate(groups):
                 for r in g.refs:
@@ -293,7 +296,6 @@ class PhaseHandle:
                     gi, r = where[n]
                     slot.leaves.append(_Leaf(n, gi, r, groups[gi].host_view(r)))
         self._groups = groups
-        self.pin_outcome = self.store.pin_component(self.config.name, groups)
         rec.d2h_bytes = self.transport.ledger.d2h_bytes - d2h0
         return rec
 
@@ -653,8 +655,31 @@ class MasterTable:
             uniq = {m.host.data_ptr(): (n, m.host) for n, m in self.masters.items()}
             for n, w in self.wrapped.items():
                 uniq.update({x.data_ptr(): (f"{n}.{'.'.join(path)}", x) for path, x in w.leaves})
-            self.pin_outcome = self.store.pin_component(self.component, group_by_storage(uniq.values()))
+            groups = group_by_storage(uniq.values())
+            self.pin_outcome = self.store.pin_component(self.component, groups)
+            if self.pin_outcome.relocated:
+                by_name = {name: x for name, x in uniq.values()}
+                self._move_masters({by_name[r.name].data_ptr(): g.host_view(r)
+                                    for g in self.pin_outcome.relocated.values() for r in g.refs})
         return fresh
+
+    def _move_masters(self, moved: dict[int, torch.Tensor]) -> None:
+        """Point masters, and the module tensors bound to them, at the writable copies the store made of
+        read-only memory (old data_ptr -> its copy, same shape): a rebind, like an offload, not a copy."""
+        for m in self.masters.values():
+            m.host = moved.get(m.host.data_ptr(), m.host)
+        rebuilt: dict[int, torch.Tensor] = {}           # old host wrapper id -> the wrapper around the copies
+        for w in self.wrapped.values():
+            if any(x.data_ptr() in moved for _, x in w.leaves):
+                w.leaves = [(path, moved.get(x.data_ptr(), x)) for path, x in w.leaves]
+                rebuilt[id(w.host)] = subclass.rebuild(w.host, dict(w.leaves))
+        for name, owner, attr, is_param, t in _named_tensor_slots(self.root):
+            if id(t) in rebuilt:
+                _set_slot(owner, attr, is_param, rebuilt[id(t)])
+            elif t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) and t.data_ptr() in moved:
+                rebind(t, moved[t.data_ptr()])
+        for w in self.wrapped.values():
+            w.host = rebuilt.get(id(w.host), w.host)
 
     def onload(self, module: torch.nn.Module, device: torch.device | None = None) -> tuple[int, int]:
         """Copy the masters of tensors under ``module`` that are bound to them, and rebind.

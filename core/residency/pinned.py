@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from ..types import _StrEnum
-from .transport import Transport, tensor_nbytes
+from .transport import READ_ONLY_REASON, HostMaps, Transport, tensor_nbytes
 
 GIB = 1024 ** 3
 
@@ -211,10 +211,14 @@ class PinOutcome:
     reason: str
     nbytes: int
     already_pinned_bytes: int = 0   # bytes someone else (ComfyUI) had already page-locked
+    copied_bytes: int = 0           # bytes copied out of read-only memory into the pinned buffers below
+    # group index -> the writable copy that replaced a read-only group (its tensors must be rebound to it)
+    relocated: dict[int, "StorageGroup"] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict:
         return {"component": self.component, "pinned": self.pinned, "reason": self.reason,
-                "bytes": self.nbytes, "already_pinned_bytes": self.already_pinned_bytes}
+                "bytes": self.nbytes, "already_pinned_bytes": self.already_pinned_bytes,
+                "copied_bytes": self.copied_bytes}
 
 
 class PinnedStore:
@@ -268,6 +272,14 @@ class PinnedStore:
         if outcome is not None:
             self.outcomes[component] = outcome
             return outcome
+        relocated = self._relocate_read_only(component, groups)
+        if isinstance(relocated, PinOutcome):
+            self.outcomes[component] = relocated
+            return relocated
+        if relocated:
+            pieces = [p for i, g in enumerate(groups) for p in _pin_pieces(relocated.get(i, g))]
+            todo = [p for p in pieces if p.data_ptr() not in self._mine and not _is_pinned(p)]
+        copied = sum(g.host.numel() for g in relocated.values())
         done: list[torch.Tensor] = []
         for piece in todo:
             res = self.transport.pin(piece)
@@ -286,9 +298,31 @@ class PinnedStore:
         how = "pinned in place" if need or ours else "already page-locked"
         if already and (need or ours):
             how += f" ({already / GIB:.2f} GiB was already page-locked by ComfyUI)"
-        outcome = PinOutcome(component, True, how, total, already)
+        if copied:
+            how += f"; {copied / GIB:.2f} GiB copied first out of {READ_ONLY_REASON}"
+        outcome = PinOutcome(component, True, how, total, already, copied, relocated)
         self.outcomes[component] = outcome
         return outcome
+
+    def _relocate_read_only(self, component: str,
+                            groups: list[StorageGroup]) -> "dict[int, StorageGroup] | PinOutcome":
+        """Writable copies of the groups that live in read-only memory, by index (a GGUF file's or ComfyUI's
+        memory map): cudaHostRegister fails on such memory, so the masters move into a fresh host buffer that
+        can be page-locked (the file's pages stay clean page cache the OS may reclaim). Only called once the
+        component is going to be pinned, and counted in the same budget."""
+        maps = HostMaps.recent(max_age_s=0.0)
+        out: dict[int, StorageGroup] = {}
+        for i, g in enumerate(groups):
+            if not g.host.numel() or maps.writable(g.host.data_ptr(), g.host.numel()) is not False:
+                continue
+            if g.per_tensor:
+                return PinOutcome(component, False, f"pageable: views into a larger block of {READ_ONLY_REASON}",
+                                  sum(x.nbytes for x in groups))
+            with torch.inference_mode(False):
+                copy = torch.empty(g.host.numel(), dtype=torch.uint8)    # [span] uint8, writable
+                copy.copy_(g.host)
+            out[i] = StorageGroup(key=storage_key(copy), host=copy, span_start=g.span_start, refs=list(g.refs))
+        return out
 
     def _unpin(self, component: str, piece: torch.Tensor) -> None:
         ptr = piece.data_ptr()

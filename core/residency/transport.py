@@ -7,6 +7,7 @@ keeps the schedule, so CPU tests can assert ordering and byte counts without a G
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,6 +247,13 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
         return PinResult(True, "already pinned by Levers", nbytes)
     if nbytes == 0:
         return PinResult(False, "empty tensor", 0)
+    writable = HostMaps.recent().writable(ptr, nbytes)
+    if writable is None:                    # mapped since the last read: read again
+        writable = HostMaps.recent(max_age_s=0.0).writable(ptr, nbytes)
+    if writable is False:
+        # registering a read-only mapping needs cudaHostRegisterReadOnly, which not every device supports; the
+        # store copies such memory into a writable buffer first (``PinnedStore``)
+        return PinResult(False, READ_ONLY_REASON, nbytes)
     try:
         # torch's cudart binding takes plain ints (ctypes objects are rejected on torch 2.11)
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)  # 1 = portable: pinned for every device, as ComfyUI does
@@ -253,6 +261,7 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
         return PinResult(False, f"cudaHostRegister unavailable: {exc}", nbytes)
     code = int(err.value) if hasattr(err, "value") else int(err)
     if code != 0:
+        discard_pending_cuda_error()
         return PinResult(False, f"cudaHostRegister failed with CUDA error {code} (page-locked limit reached?)", nbytes)
     _REGISTERED[ptr] = nbytes
     return PinResult(True, "pinned in place", nbytes)
@@ -261,8 +270,87 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
 def unpin_in_place(t: torch.Tensor) -> None:
     ptr = t.data_ptr()
     if ptr in _REGISTERED and torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if (int(err.value) if hasattr(err, "value") else int(err)) != 0:
+            discard_pending_cuda_error()
         _REGISTERED.pop(ptr, None)
+
+
+def discard_pending_cuda_error() -> None:
+    """Consume the error a failed cudaHostRegister / Unregister leaves behind.
+
+    The runtime keeps a failed call's error as the thread's "last error", and torch's cudart binding offers no
+    cudaGetLastError: the next kernel torch launches checks it and raises it, far from its cause (ComfyUI's
+    ``discard_cuda_async_error`` exists for the same reason). A tiny kernel, synchronised, takes it here; the
+    failure itself has already been reported by the call's return code."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        one = torch.ones(1, dtype=torch.uint8, device="cuda")
+        _ = one + one
+        torch.cuda.synchronize()
+    except RuntimeError:     # the stale error itself, raised by the launch check: consumed
+        pass
+
+
+_MAPS: tuple[float, "HostMaps"] | None = None
+READ_ONLY_REASON = "read-only memory (a file mapped read-only: GGUF, or ComfyUI's memory-mapped loader)"
+
+
+class HostMaps:
+    """This process's memory mappings and whether each is writable (Linux ``/proc/self/maps``).
+
+    Page-locking a read-only file mapping in place fails on most systems (it needs cudaHostRegisterReadOnly)
+    and leaves a stale CUDA error behind, so such memory is found before anything is registered. Read once per
+    batch of tensors; ``writable`` answers None where the mappings cannot be read (other OSes)."""
+
+    def __init__(self, spans: list[tuple[int, int, bool]] | None) -> None:
+        self.spans = spans               # sorted (start, end, writable)
+        self._starts = [s for s, _, _ in spans] if spans else []
+
+    @classmethod
+    def read(cls, path: str = "/proc/self/maps") -> "HostMaps":
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return cls(None)
+        spans = []
+        for line in lines:
+            parts = line.split(maxsplit=2)
+            if len(parts) < 2 or "-" not in parts[0]:
+                continue
+            lo, hi = parts[0].split("-", 1)
+            spans.append((int(lo, 16), int(hi, 16), "w" in parts[1]))
+        return cls(sorted(spans))
+
+    @classmethod
+    def recent(cls, max_age_s: float = 2.0) -> "HostMaps":
+        """The mappings as read at most ``max_age_s`` ago (one read serves a whole batch of pins). A mapping made
+        since reads as unknown (callers read again); a failed registration still fails soft."""
+        global _MAPS
+        now = time.monotonic()
+        if _MAPS is None or now - _MAPS[0] > max_age_s:
+            _MAPS = (now, cls.read())
+        return _MAPS[1]
+
+    def writable(self, ptr: int, nbytes: int) -> bool | None:
+        """True when every byte of [ptr, ptr + nbytes) is in a writable mapping, False when any is in a
+        read-only one, None when unknown (mappings unreadable, or a byte outside every mapping)."""
+        if self.spans is None or nbytes <= 0:
+            return None
+        i = max(0, bisect.bisect_right(self._starts, ptr) - 1)
+        pos, end = ptr, ptr + nbytes
+        while pos < end and i < len(self.spans):
+            lo, hi, w = self.spans[i]
+            if lo > pos:
+                return None                # a hole: not memory this process maps
+            if hi > pos:
+                if not w:
+                    return False
+                pos = hi
+            i += 1
+        return True if pos >= end else None
 
 
 def pinned_bytes_by_levers() -> int:

@@ -184,3 +184,39 @@ def test_quantize_dit_leaves_a_gguf_model_as_it_is_and_says_so(comfy_env, tiny_w
     assert "already holds quantized weights" in report, report
     assert all(type(p).__name__ == "GGMLTensor" for p in _ggml(out).values()) and _ggml(out).keys() == _ggml(model).keys()
     assert torch.equal(tiny_wan.sample(out)["samples"], ref)
+
+
+def test_read_only_gguf_weights_get_writable_copies_to_pin(comfy_env, tiny_wan, gguf):
+    """ComfyUI-GGUF hands over its weights as views of the file's read-only memory map, which cudaHostRegister
+    cannot page-lock (it fails, and leaves a CUDA error for the next kernel). When the masters are to be pinned,
+    the store copies them first and the GGMLTensors (same objects, type and LoRA attributes kept) point at the
+    copies: checked here with a transport that stands in for the GPU's pinning."""
+    from comfyui_levers.core.residency.phase import MasterTable
+    from comfyui_levers.core.residency.pinned import GIB, PinnedStore
+    from comfyui_levers.core.residency.transport import CpuTransport, HostMaps, PinResult
+
+    class Pinning(CpuTransport):
+        def pin(self, t):
+            return PinResult(True, "pinned in place", t.nbytes)
+
+    model = gguf.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    comfy_env.mm.unload_all_models()
+    own = _ggml(model)
+    packed = {n: p for n, p in own.items() if getattr(p.tensor_type, "name", "") in ("Q8_0", "Q4_0")}
+    assert packed
+    maps = HostMaps.read()
+    assert all(maps.writable(p.data_ptr(), p.untyped_storage().nbytes()) is False for p in packed.values())
+    kinds = {n: p.tensor_type for n, p in own.items()}
+    transport = Pinning()
+    store = PinnedStore(transport, "auto", has_cuda=True, available_ram_bytes=64 * GIB,
+                        total_ram_bytes=128 * GIB, os_name="linux")
+    table = MasterTable(model.model.diffusion_model, "diffusion_model", transport, store)
+    table.capture()
+    out = table.pin_outcome
+    assert out.pinned and out.copied_bytes >= sum(p.untyped_storage().nbytes() for p in packed.values())
+    now = _ggml(model)
+    maps = HostMaps.read()
+    assert all(now[n] is own[n] and now[n].tensor_type == kinds[n] for n in own)
+    assert all(maps.writable(p.data_ptr(), p.untyped_storage().nbytes()) is True for p in now.values())
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
