@@ -38,6 +38,20 @@ def test_fp8_modes_match_the_dequantized_matmul(gran, mode, bias):
 
 
 @needs_cpu_scaled_mm
+@pytest.mark.parametrize("mode", [m for m in FP8_COMPUTE_MODES if m != "off"])
+def test_a_column_major_activation_reaches_the_gemm_row_major(mode, monkeypatch):
+    """CUDA's _scaled_mm rejects a column-major first operand (the CPU one accepts it), and a failed call turns fp8
+    compute off for the device: an activation that is a transposed view must be made row-major first."""
+    _, q = _layer("per_row", True)
+    x = torch.randn(256, 40, dtype=torch.bfloat16).t()              # (40, 256), strides (1, 40)
+    seen, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, *args, **kw: (seen.append(a.is_contiguous()), real(a, *args,
+                                                                                                       **kw))[1])
+    y = scaled_mm_linear(x, q.weight, q.weight_scale, q.granularity, q.bias, mode)
+    assert seen == [True] and sqnr(q(x.contiguous()).float(), y.float()) > 25.0
+
+
+@needs_cpu_scaled_mm
 def test_tensorwise_survives_an_outlier_token():
     _, q = _layer("per_row")
     x = torch.randn(64, 256, dtype=torch.bfloat16)

@@ -119,7 +119,7 @@ def scaled_mm_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     GEMM use the same number. x: (..., in) -> (..., out).
     """
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])                                        # (tokens, in)
+    x2 = x.reshape(-1, shape[-1]).contiguous()   # (tokens, in) row-major: _scaled_mm rejects a column-major mat1
     out_features = codes.shape[0]
     if mode == "rowwise":
         from .fp8_triton import quantize_rows_fp8
