@@ -966,6 +966,7 @@ def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repea
         pin = transport.pin(src)
         dst = transport.empty((nbytes,), torch.uint8)
     try:
+        transport.wait_compute("bandwidth")   # dst comes from compute's pool: work queued there may still use it
         transport.copy_to_device(src, dst, tag="bandwidth")
         transport.synchronize()
         t0 = time.perf_counter()

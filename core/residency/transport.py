@@ -186,6 +186,9 @@ class CudaTransport(Transport):
         return dst
 
     def copy_to_host(self, src, dst=None, tag=""):
+        # why: ``src`` may have just been written by compute (a weight patched in place); the copy stream must not
+        # read it before those kernels are done
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if dst is None:
                 dst = torch.empty_like(src, device="cpu")
