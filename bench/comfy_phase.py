@@ -959,11 +959,12 @@ def prefetch_in_comfy(env, sc: Scale, dev: torch.device, clock: Clock, model, re
             ref_b, out["comfy_b_s"], out["comfy_b_peak_bytes"] = sample(model, shape_b)
             out["bit_identical_b"] = same(got_b, ref_b)
             out["status"] = "ok"
-            out["fp8"] = _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape_a, sample, same)
         except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
             _record_failure(out, exc, "GroupPrefetch in ComfyUI")
         finally:
             _unload_all(env, dev)
+    if out["status"] == "ok":
+        out["fp8"] = _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, card, shape_a, sample, same)
     out["gguf"] = _prefetch_gguf_in_comfy(env, dev, clock, model, shape_a, sample, same)
     return out
 
@@ -1046,9 +1047,12 @@ def _prefetch_gguf_in_comfy(env, dev, clock, model, shape, sample, same) -> dict
     return out
 
 
-def _versus_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same, out: dict[str, Any], label: str):
+def _versus_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same, out: dict[str, Any], label: str,
+                  resident=None):
     """ComfyUI samples ``model`` (warm-up, then timed), then the GroupPrefetch node's clone of it does the same;
-    times, peaks, bit-equality and the engine's numbers go into ``out``. Returns (clone, its prefetch state)."""
+    times, peaks, bit-equality and the engine's numbers go into ``out``. Returns (clone, its prefetch state).
+    ``resident``: the output of ``model`` sampled fully loaded, when that, not ComfyUI's offloaded run, is the
+    reference (fp8: an offloaded layer dequantizes, a resident or streamed one runs the fp8 GEMM)."""
     from comfyui_levers.bridge.prefetch import prefetch_state
 
     _unload_all(env, dev)
@@ -1062,6 +1066,10 @@ def _versus_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same, o
     sample(clone, shape)
     got, out["levers_s"], out["levers_peak_bytes"] = sample(clone, shape)
     out["bit_identical"] = same(got, ref)
+    if resident is not None:
+        out["bit_identical_vs_comfy"] = out["bit_identical"]
+        out["bit_identical"] = same(got, resident)
+        out["comfy_bit_identical_vs_resident"] = same(ref, resident)
     out["ratio_time"] = round(out["levers_s"] / out["comfy_s"], 4) if out["comfy_s"] else None
     out["levers_stats"] = {k: v for k, v in (state.last_stats or {}).items() if not isinstance(v, (dict, list))}
     out["levers_last_forward"] = (state.last_stats or {}).get("last_forward")
@@ -1080,9 +1088,12 @@ def _record_failure(out: dict[str, Any], exc: Exception, label: str) -> None:
     _log(f"{label}: {out['status']}: {_short(exc, 300)}")
 
 
-def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample, same) -> dict[str, Any]:
+def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, card, shape, sample,
+                           same) -> dict[str, Any]:
     """The same DiT after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where comfy-kitchen is installed, as
-    fp8 checkpoints load in ComfyUI 0.8+): ComfyUI's lowvram against GroupPrefetch streaming the fp8 bytes."""
+    fp8 checkpoints load in ComfyUI 0.8+): ComfyUI's lowvram against GroupPrefetch streaming the fp8 bytes, on
+    the emulated ``card``. Bit-equality is checked against the fp8 model sampled fully loaded (no card): on a GPU
+    ComfyUI's numerics depend on where it keeps each fp8 layer, so its offloaded run is not the reference."""
     out: dict[str, Any] = {"status": "running"}
     try:
         clock.need(15, "GroupPrefetch in ComfyUI, fp8: quantize")
@@ -1093,8 +1104,12 @@ def _prefetch_fp8_in_comfy(env, dev, clock, model, node_budget_gb, shape, sample
         if node_budget_gb:          # the CPU's explicit budget: 75 % of the fp8 DiT, so that it streams
             from comfyui_levers.core.residency.blocks import module_bytes
             node_budget_gb = round(0.75 * module_bytes(qmodel.model.diffusion_model) / GIB, 6)
-        _versus_comfy(env, dev, clock, qmodel, node_budget_gb, shape, sample, same, out,
-                      f"GroupPrefetch in ComfyUI, fp8 ({out['layers']})")
+        clock.need(10, "GroupPrefetch in ComfyUI, fp8: the resident reference")
+        resident = sample(qmodel, shape)[0]
+        _unload_all(env, dev)
+        with emulated_card(env.mm, dev, card):
+            _versus_comfy(env, dev, clock, qmodel, node_budget_gb, shape, sample, same, out,
+                          f"GroupPrefetch in ComfyUI, fp8 ({out['layers']})", resident=resident)
         out["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - a failed flow is a result, not a crash
         _record_failure(out, exc, "GroupPrefetch in ComfyUI, fp8")

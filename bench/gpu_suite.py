@@ -2520,7 +2520,10 @@ def build_summary(results: dict) -> dict[str, Any]:
     gp8 = gp.get("fp8") or {}
     summary["prefetch_fp8_in_comfy_vs_lowvram"] = in_comfy_case(
         gp8, "as prefetch_in_comfy_vs_lowvram, after QuantizeDiT fp8 (ComfyUI's QuantizedTensor layer where "
-             "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0", layers=gp8.get("layers"))
+             "comfy-kitchen is installed): the fp8 codes stream; kept_unstreamed must be 0; bit_identical is against "
+             "the fp8 model fully loaded (ComfyUI's own offloaded fp8 layers dequantize, so its lowvram run differs)",
+        layers=gp8.get("layers"), bit_identical_vs_comfy=gp8.get("bit_identical_vs_comfy"),
+        comfy_bit_identical_vs_resident=gp8.get("comfy_bit_identical_vs_resident"))
     gpg = gp.get("gguf") or {}
     summary["prefetch_gguf_in_comfy_vs_lowvram"] = in_comfy_case(
         gpg, "the same DiT as a Q8_0 GGUF model loaded as ComfyUI-GGUF loads one (GGMLTensor weights, GGMLOps, "
