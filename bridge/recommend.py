@@ -13,12 +13,17 @@ from ..core.residency.blocks import find_blocks
 from .comfy_mode import comfy_device_facts, comfy_mode
 from .inputs import require_clip, require_model, require_vae
 
-# ComfyUI model classes (comfy.model_base / diffusion module names) -> preset family and closest preset.
-_FAMILIES = [("flux", "flux", "flux1-dev"), ("chroma", "flux", "flux1-dev"), ("wan", "wan", "wan2.1-14b"),
-             ("hunyuanvideo", "hunyuan", "hunyuanvideo"), ("hunyuan_video", "hunyuan", "hunyuanvideo"),
-             ("qwen", "qwen", "qwen-image"), ("ltx", "ltxv", "ltxv"), ("lightricks", "ltxv", "ltxv"),
-             ("mmdit", "sd3", "sd3.5-large"), ("sd3", "sd3", "sd3.5-large"), ("sdxl", "sdxl", "sdxl"),
-             ("unet", "sdxl", "sdxl")]
+# ComfyUI model classes (comfy.model_base / diffusion module names) -> preset family and the preset that supplies the
+# token and VAE geometry. First match wins: the more specific names come first (Flux2 before flux, HunyuanVideo15 and
+# HunyuanImage21 before hunyuan_video, LTXAV before ltx). ComfyUI 0.33's classes: model_base.Flux2, Chroma, HiDream,
+# Lumina2 (Lumina 2 and Z-Image), HunyuanVideo15, HunyuanImage21, LTXAV, WAN22 (Wan 2.2 5B; its A14B experts are WAN21).
+_FAMILIES = [("flux2", "flux2", "flux2-dev"), ("chroma", "flux", "chroma"), ("flux", "flux", "flux1-dev"),
+             ("hidream", "hidream", "hidream-i1"), ("lumina", "lumina", "z-image"),
+             ("hunyuanvideo15", "hunyuan", "hunyuanvideo-1.5"), ("hunyuanimage21", "hunyuan", "hunyuanimage-2.1"),
+             ("wan", "wan", "wan2.1-14b"), ("hunyuanvideo", "hunyuan", "hunyuanvideo"),
+             ("hunyuan_video", "hunyuan", "hunyuanvideo"), ("qwen", "qwen", "qwen-image"), ("ltxav", "ltxv", "ltx-2"),
+             ("ltx", "ltxv", "ltxv"), ("lightricks", "ltxv", "ltxv"), ("mmdit", "sd3", "sd3.5-large"),
+             ("sd3", "sd3", "sd3.5-large"), ("sdxl", "sdxl", "sdxl"), ("unet", "sdxl", "sdxl")]
 
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -124,8 +129,20 @@ def _family(model) -> tuple[str, str]:
                      type(model.model.diffusion_model).__module__]).lower()
     for frag, fam, preset in _FAMILIES:
         if frag in text:
+            if fam == "wan" and _latent_channels(model) == 48:
+                preset = "wan2.2-ti2v-5b"    # the 5B's class is WanModel like 2.1's: told by its 48-channel latent
             return fam, preset
     return "custom", "flux1-dev"
+
+
+def _latent_channels(model) -> int | None:
+    """Channels of the latent the diffusion model denoises: its config's ``out_dim`` (Wan), else the latent
+    format's."""
+    config = getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
+    if isinstance(config.get("out_dim"), int):
+        return config["out_dim"]
+    channels = getattr(getattr(model.model, "latent_format", None), "latent_channels", None)
+    return channels if isinstance(channels, int) else None
 
 
 def _hidden(dm: torch.nn.Module) -> int:

@@ -151,15 +151,19 @@ def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, 
 def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
     """(linear, attention) FLOPs of one step, 2 per weight and token in the blocks' linears. Image (and reference)
     tokens pass a dual-stream block's image weights, text tokens its text weights, every token the single-stream
-    and shared ones (FLUX 1024²: 59.5 T linear + 14.9 T attention, seed 001's 74 TFLOPs). Modulation linears see
+    and shared ones (FLUX 1024²: 59.5 T linear + 14.9 T attention, seed 001's 74 TFLOPs); a token skips the routed
+    experts its router leaves out (HiDream: 2 of 4). Modulation linears see
     one token; outside the blocks are embedders and the final layer, one token or a thin layer each: both left out."""
     n = sequence_tokens(spec, wl)
     n_text = spec.tokens(wl.width, wl.height, wl.frames) - spec.image_tokens(wl.width, wl.height, wl.frames)
     n_image = n - n_text
     kinds, scale = _block_kinds(spec)
     if kinds:
-        per_pass = scale * sum(k.count * (n_image * (k.params - k.modulation - k.text_stream)
-                                          + n_text * (k.params - k.modulation - k.image_stream)) for k in kinds)
+        # a mixture of experts' idle experts sit in the image stream (text tokens never pass them) or, in a block
+        # without streams, in the weights every token passes
+        per_pass = scale * sum(k.count * (n_image * (k.params - k.modulation - k.text_stream - k.idle)
+                                          + n_text * (k.params - k.modulation - k.image_stream
+                                                      - (0 if k.image_stream else k.idle))) for k in kinds)
     else:
         per_pass = n * max(0.0, spec.dit_params * spec.block_fraction - spec.modulation_params)
     mult = wl.batch * dit_passes(spec, wl)

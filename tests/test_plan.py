@@ -573,3 +573,32 @@ def test_vae_bytes_per_pixel_follow_the_decoders_full_resolution_width():
     for model, channels in (("flux1-dev", 128), ("hunyuanvideo", 128), ("wan2.1-14b", 96), ("wan2.1-1.3b", 96)):
         assert get_preset(model).vae_bytes_per_px == 16 * channels, model
     assert vae_decode_bytes(get_preset("hunyuanvideo"), Workload(1280, 720, 129)) == 1280 * 720 * 129 * 16 * 128
+
+
+@pytest.mark.parametrize("model,w,h,f,image,text", [
+    ("flux2-dev", 1024, 1024, 1, 64 * 64, 512),             # 16x latent (2x2 cells packed), patch 1; joint text
+    ("z-image", 1024, 1024, 1, 64 * 64, 512),               # the unified sequence holds the caption
+    ("hidream-i1", 1024, 1024, 1, 64 * 64, 384),            # T5 128 + Llama 128 + the block's Llama layer 128
+    ("chroma", 1024, 1024, 1, 64 * 64, 512),
+    ("hunyuanvideo-1.5", 1280, 720, 121, 31 * 45 * 80, 256),  # 16x, 4x in time, patch 1
+    ("wan2.2-ti2v-5b", 1280, 704, 121, 31 * 22 * 40, 512),   # 16x VAE, patch 2
+    ("ltx-2", 768, 512, 121, 16 * 24 * 16, 0),              # cross-attention: the text is not in the sequence
+    ("hunyuanimage-2.1", 2048, 2048, 1, 64 * 64, 256),       # 32x VAE, patch 1
+])
+def test_new_presets_plan_their_models_sequence(model, w, h, f, image, text):
+    spec = get_preset(model)
+    assert (spec.image_tokens(w, h, f), spec.tokens(w, h, f) - spec.image_tokens(w, h, f)) == (image, text)
+
+
+def test_step_flops_skip_the_experts_a_token_is_not_routed_to():
+    """HiDream-I1 routes each token to 2 of its 4 experts: the image tokens run the shared expert and two routed ones
+    (not all four), its text tokens the text stream in double blocks and the experts in single blocks."""
+    from comfyui_levers.core.plan import step_flops
+
+    d, ffn, shared = 2560, 6912, 3584
+    attn, moe_run = 4 * linear(d, d) + 2 * d, 3 * d * shared + 2 * 3 * d * ffn + 4 * d
+    text = attn + 3 * d * ffn
+    lin, _ = step_flops(get_preset("hidream-i1"), Workload(1024, 1024, cfg=False))
+    n_img, n_txt = 4096, 384
+    assert lin == pytest.approx(2 * (16 * (n_img * (attn + moe_run) + n_txt * text)
+                                     + 32 * (n_img + n_txt) * (attn + moe_run)), rel=1e-9)
