@@ -354,12 +354,74 @@ def tiny_mage_flow() -> TinyDiT | None:
     return _tiny_from_config("mage_flow", "MageFlow", config, (1, 128, 4, 4), pos, neg)
 
 
+def tiny_omnigen2() -> TinyDiT | None:
+    """OmniGen2: 2 noise refiners, 2 context refiners, (reference-image refiners, idle without references), then
+    3 layers of width 96 (2 heads of 48)."""
+    config = dict(image_model="omnigen2", patch_size=2, in_channels=16, out_channels=None, hidden_size=96,
+                  num_layers=3, num_refiner_layers=2, num_attention_heads=2, num_kv_heads=1, multiple_of=32,
+                  ffn_dim_multiplier=None, norm_eps=1e-5, axes_dim_rope=(16, 16, 16), axes_lens=(300, 512, 512),
+                  text_feat_dim=64, timestep_scale=1000.0)
+    pos, neg = _conds(8, 64, 1, attention_mask=torch.ones(1, 8, dtype=torch.long))   # its forward takes num_tokens
+    return _tiny_from_config("omnigen2", "Omnigen2", config, (1, 16, 8, 8), pos, neg)
+
+
+def tiny_auraflow() -> TinyDiT | None:
+    """AuraFlow (MMDiT): 2 double (joint) layers, then 2 single layers, width 64; SDXL latent."""
+    config = dict(in_channels=4, out_channels=4, patch_size=2, dim=64, n_layers=4, n_double_layers=2, n_heads=2,
+                  global_conddim=64, cond_seq_dim=64, max_seq=16 * 16)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("auraflow", "AuraFlow", config, (1, 4, 16, 16), pos, neg)
+
+
+def tiny_pixart_sigma() -> TinyDiT | None:
+    """PixArt-Sigma: 4 blocks of width 64 sharing one adaLN projection (``t_block``) outside them; T5 context."""
+    config = dict(image_model="pixart_sigma", input_size=16, patch_size=2, in_channels=4, hidden_size=64, depth=4,
+                  num_heads=2, caption_channels=64, model_max_length=8, micro_condition=False, pe_interpolation=1.0)
+    pos, neg = _conds(8, 64, 1)
+    # 40x40: the positional embedding's base size is the resolution rounded to 64 (0 below 33)
+    return _tiny_from_config("pixart_sigma", "PixArtSigma", config, (1, 4, 40, 40), pos, neg)
+
+
+def tiny_cogvideox() -> TinyDiT | None:
+    """CogVideoX t2v (rotary positions, as 1.5), 4 blocks of width 64 (2 heads of 32)."""
+    config = dict(image_model="cogvideox", num_attention_heads=2, attention_head_dim=32, in_channels=16,
+                  out_channels=16, time_embed_dim=32, text_embed_dim=64, num_layers=4, sample_width=16,
+                  sample_height=16, sample_frames=9, patch_size=2, max_text_seq_length=8,
+                  use_rotary_positional_embeddings=True)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("cogvideox", "CogVideoX_T2V", config, (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_cosmos_predict2() -> TinyDiT | None:
+    """Cosmos-Predict2 text-to-image (MiniTrainDIT with adaLN-LoRA), 3 blocks of width 64."""
+    config = dict(image_model="cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
+                  out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+                  crossattn_emb_channels=64, pos_emb_cls="rope3d", pos_emb_learnable=True, pos_emb_interpolation="crop",
+                  min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16, num_blocks=3, num_heads=2,
+                  extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0,
+                  rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0, extra_w_extrapolation_ratio=1.0,
+                  extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("cosmos_predict2", "CosmosT2IPredict2", config, (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_joyimage() -> TinyDiT | None:
+    """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
+    config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
+                  num_attention_heads=1, text_dim=64, mlp_width_ratio=2.0, num_layers=3, rope_dim_list=[16, 56, 56],
+                  theta=10000)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("joyimage", "JoyImage", config, (1, 16, 1, 8, 8), pos, neg)
+
+
 BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
             "sd3": tiny_sd3, "ltxv": tiny_ltxv, "ltxav": tiny_ltxav, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
             "zimage": tiny_zimage, "hidream": tiny_hidream, "flux2": tiny_flux2, "hunyuan_video15": tiny_hunyuan_video15,
             "hunyuan_image21": tiny_hunyuan_image21, "wan22_5b": tiny_wan22_5b, "chroma_radiance": tiny_chroma_radiance,
             "kandinsky5": tiny_kandinsky5, "kandinsky5_image": tiny_kandinsky5_image, "longcat_image": tiny_longcat_image,
-            "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow}
+            "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
+            "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
+            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
