@@ -251,7 +251,7 @@ def tiny_flux2() -> TinyDiT | None:
                   theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True, txt_ids_dims=[3],
                   global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
                   ref_index_scale=10.0)
-    pos, neg = _conds(8, 64, 1)
+    pos, neg = _conds(8, 64, 1, pooled_output=None)     # ComfyUI 0.8's Flux reads the key
     return _tiny_from_config("flux2", "Flux2", config, (1, 128, 4, 4), pos, neg)
 
 
@@ -297,6 +297,12 @@ def tiny_chroma_radiance() -> TinyDiT | None:
                   vec_in_dim=None, nerf_hidden_size=16, nerf_mlp_ratio=2, nerf_depth=2, nerf_max_freqs=4,
                   nerf_tile_size=0, nerf_final_head_type="conv", nerf_embedder_dtype=torch.float32, use_x0=False,
                   use_sequential_txt_ids=False)
+    if _model_class("ChromaRadiance") is not None:   # older releases lack the newest options
+        from comfy.ldm.chroma_radiance.model import ChromaRadianceParams
+
+        for key in ("use_x0", "use_sequential_txt_ids"):
+            if key not in ChromaRadianceParams.__dataclass_fields__:
+                del config[key]
     pos, neg = _conds(8, 64, 1, pooled_output=None)
     return _tiny_from_config("chroma_radiance", "ChromaRadiance", config, (1, 3, 32, 32), pos, neg)
 
