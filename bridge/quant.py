@@ -337,7 +337,9 @@ def choose_modulation(modulation: str, plan, notes: list[str]) -> bool:
 
 # context width of the text conditioning, by the unet_config key each architecture family uses
 _CONTEXT_KEYS = ("context_dim", "text_dim", "context_in_dim", "joint_attention_dim", "text_states_dim", "cap_feat_dim",
-                 "context_embedder_config")
+                 "context_embedder_config", "in_text_dim", "text_in_dim", "cond_seq_dim", "text_embed_dim",
+                 "crossattn_emb_channels", "text_feat_dim")
+# ... the last six: Kandinsky 5, ERNIE-Image, AuraFlow, CogVideoX, Cosmos-Predict2, OmniGen2
 QUALITY_BAR_DB = 35.0  # the bar for fp8 and int8 (invisible on real models); nf4 is reported against it
 
 
@@ -364,6 +366,10 @@ def _synthetic_inputs(patcher, seed: int = 0, tokens: int = 8, side: int = 8):
     captions = unet_config.get("caption_channels")
     if width is None and isinstance(captions, (list, tuple)) and captions:
         width = captions[0]                                # HiDream: T5 width first, then Llama's
+    if width is None and isinstance(captions, int):
+        width = captions                                   # PixArt: the T5 width
+    if width is None and isinstance(unet_config.get("txtdim"), int) and isinstance(unet_config.get("txtlayers"), int):
+        width = unet_config["txtdim"] * unet_config["txtlayers"]   # Krea 2: the text encoder's layers side by side
     if width is None:
         width = _context_width_from_layers(model.diffusion_model)
     if width is None:
@@ -433,10 +439,10 @@ def _conds_from_model(patcher, inputs, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 1)
     kwargs = dict(cross_attn=context, attention_mask=torch.ones(1, context.shape[1], dtype=torch.long), noise=x,
                   device=torch.device("cpu"), latent_image=x, latent_shapes=[x.shape])   # as the sampler passes
-    pooled = next((unet_config[k] for k in ("vec_in_dim", "adm_in_channels", "text_emb_dim", "pooled_projection_dim")
-                   if isinstance(unet_config.get(k), int)), None)
-    if pooled:
-        kwargs["pooled_output"] = torch.randn(1, pooled, generator=g)
+    pooled = next((unet_config[k] for k in ("vec_in_dim", "adm_in_channels", "text_emb_dim", "pooled_projection_dim",
+                                            "in_text_dim2") if isinstance(unet_config.get(k), int)), None)
+    # no pooled vector: passed as None, as ComfyUI's text encoders do (HunyuanVideo 1.5 reads the key)
+    kwargs["pooled_output"] = torch.randn(1, pooled, generator=g) if pooled else None
     captions, llama = unet_config.get("caption_channels"), unet_config.get("llama_layers")
     if isinstance(captions, (list, tuple)) and len(captions) > 1 and llama:
         kwargs["conditioning_llama3"] = torch.randn(1, max(llama) + 1, context.shape[1], captions[1], generator=g)
@@ -468,14 +474,19 @@ def quality_check(original, quantized, fmt: str, seed: int = 0) -> tuple[float |
         inputs = _synthetic_inputs(original, seed)
         try:
             ref = _predict(original, inputs)
-        except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError):
+        except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError):
             # the forward needs conditions beyond the text context: the model's own extra_conds build them
-            inputs = _conds_from_model(original, inputs, seed)
-            ref = _predict(original, inputs)
+            try:
+                inputs = _conds_from_model(original, inputs, seed)
+                ref = _predict(original, inputs)
+            except ArithmeticError:
+                # PixArt sizes its positional embedding from the resolution rounded to 64 latent pixels: 0 at 8x8
+                inputs = _conds_from_model(original, _synthetic_inputs(original, seed, side=64), seed)
+                ref = _predict(original, inputs)
         out = _predict(quantized, inputs)
     except QualityCheckSkipped as exc:
         return None, f"quality check skipped: {exc}"
-    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as exc:
         # fail soft: an architecture that needs conditioning we do not synthesise must not fail the node
         return None, f"quality check skipped: one forward with a synthetic input failed ({type(exc).__name__}: {exc})"
     score = psnr(ref, out)

@@ -35,6 +35,8 @@ def _model(**children):
     ({"layers": 5}, "lumina"),
     ({"context_refiner": 2, "noise_refiner": 2, "layers": 3}, "lumina"),      # Lumina 2, Z-Image
     ({"double_stream_blocks": 2, "single_stream_blocks": 2}, "hidream"),
+    ({"double_layers": 2, "single_layers": 2}, "auraflow"),                   # AuraFlow (the fallback took one list)
+    ({"text_transformer_blocks": 2, "visual_transformer_blocks": 3}, "kandinsky5"),   # text blocks run first
 ])
 def test_known_layouts_in_execution_order(attrs, arch):
     m = _model(**{k: _lst(n) for k, n in attrs.items()})

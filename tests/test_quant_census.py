@@ -358,3 +358,69 @@ def test_quantize_modulation_adds_exactly_the_modulation_linears_inside_the_bloc
 def test_quantize_modulation_is_a_bool():
     with pytest.raises(ConfigError, match="quantize_modulation"):
         QuantConfig("fp8_e4m3fn", quantize_modulation="yes")
+
+
+def auraflow_keys(d=128, double=2, single=2) -> dict:
+    """AuraFlow's MMDiT: joint ``double_layers`` (attn w1*/w2*, mlpC/mlpX, modC/modX), then ``single_layers``."""
+    k = {"t_embedder.mlp.0.weight": (d, 256), "t_embedder.mlp.2.weight": (d, d), "cond_seq_linear.weight": (d, 64),
+         "init_x_linear.weight": (d, 16), "final_linear.weight": (16, d), "modF.1.weight": (2 * d, d),
+         "positional_encoding": (1, 256, d), "register_tokens": (1, 8, d)}
+    for i in range(double):
+        for n in ("w1q", "w1k", "w1v", "w1o", "w2q", "w2k", "w2v", "w2o"):
+            k[f"double_layers.{i}.attn.{n}.weight"] = (d, d)
+        for side in ("C", "X"):
+            k[f"double_layers.{i}.mlp{side}.c_fc1.weight"] = (4 * d, d)
+            k[f"double_layers.{i}.mlp{side}.c_fc2.weight"] = (4 * d, d)
+            k[f"double_layers.{i}.mlp{side}.c_proj.weight"] = (d, 4 * d)
+            k[f"double_layers.{i}.mod{side}.1.weight"] = (6 * d, d)
+    for i in range(single):
+        for n in ("w1q", "w1k", "w1v", "w1o"):
+            k[f"single_layers.{i}.attn.{n}.weight"] = (d, d)
+        k[f"single_layers.{i}.mlp.c_fc1.weight"] = (4 * d, d)
+        k[f"single_layers.{i}.mlp.c_fc2.weight"] = (4 * d, d)
+        k[f"single_layers.{i}.mlp.c_proj.weight"] = (d, 4 * d)
+        k[f"single_layers.{i}.modCX.1.weight"] = (6 * d, d)
+    return k
+
+
+def test_auraflow_double_then_single_layers_modulation_kept():
+    """AuraFlow's blocks are ``double_layers`` / ``single_layers``: no rule matched them, so nothing was quantized."""
+    keys = auraflow_keys()
+    c = census(keys, config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert detect_arch(keys) == "auraflow" and c.arch == "auraflow" and c.n_blocks == 4
+    assert not c.should_quantize("double_layers.0.attn.w1q.weight")             # first block
+    assert c.should_quantize("double_layers.1.attn.w2o.weight") and c.should_quantize("double_layers.1.mlpC.c_fc2.weight")
+    assert c.should_quantize("single_layers.0.mlp.c_proj.weight")
+    assert not c.should_quantize("single_layers.1.attn.w1q.weight")             # last block
+    kept = {e.key: e.reason for e in c.kept}
+    for k in ("double_layers.1.modX.1.weight", "single_layers.0.modCX.1.weight"):
+        assert "modulation" in kept[k], kept[k]
+    assert not any(c.should_quantize(k) for k in keys if not k.startswith(("double_layers", "single_layers")))
+    qmod = census(keys, config=QuantConfig("fp8", quantize_modulation=True))
+    assert qmod.should_quantize("double_layers.0.modC.1.weight") and not qmod.should_quantize("modF.1.weight")
+
+
+def test_generic_rule_orders_several_block_lists_as_the_keys_list_them():
+    """Kandinsky 5 (text blocks, then visual blocks) is detected by no rule: the generic rule gave text.i and
+    visual.i one block number (3 blocks for 5), so keep_first_blocks=1 kept two blocks."""
+    k = {"time_embeddings.in_layer.weight": (64, 128), "visual_embeddings.in_layer.weight": (128, 132),
+         "out_layer.out_layer.weight": (64, 128), "out_layer.modulation.out_layer.weight": (256, 64)}
+    for lst, n in (("text_transformer_blocks", 2), ("visual_transformer_blocks", 3)):
+        mod = "text_modulation" if lst.startswith("text") else "visual_modulation"
+        for i in range(n):
+            k[f"{lst}.{i}.{mod}.out_layer.weight"] = (768, 64)
+            for p in ("to_query", "to_key", "to_value", "out_layer"):
+                k[f"{lst}.{i}.self_attention.{p}.weight"] = (128, 128)
+            k[f"{lst}.{i}.feed_forward.in_layer.weight"] = (256, 128)
+            k[f"{lst}.{i}.self_attention.query_norm.weight"] = (64,)
+    c = census(k, config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert c.arch == "generic" and c.n_blocks == 5
+    assert not c.should_quantize("text_transformer_blocks.0.self_attention.to_query.weight")
+    assert c.should_quantize("text_transformer_blocks.1.self_attention.to_query.weight")
+    assert c.should_quantize("visual_transformer_blocks.0.feed_forward.in_layer.weight")
+    assert c.should_quantize("visual_transformer_blocks.1.self_attention.out_layer.weight")
+    assert not c.should_quantize("visual_transformer_blocks.2.self_attention.to_key.weight")
+    assert not c.should_quantize("visual_transformer_blocks.1.visual_modulation.out_layer.weight")
+    qmod = census(k, config=QuantConfig("fp8", quantize_modulation=True))
+    assert qmod.should_quantize("visual_transformer_blocks.1.visual_modulation.out_layer.weight")
+    assert not qmod.should_quantize("out_layer.modulation.out_layer.weight")     # final layer: outside the blocks

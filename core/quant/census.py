@@ -38,7 +38,8 @@ class ArchRules:
     reject: tuple[str, ...] = ()              # detection fails if any of these match a key
 
 
-_MOD = ("(^|\\.)(img_mod|txt_mod|modulation|adaLN_modulation|norm1_context|norm1)\\.(lin|linear|1)$",
+_MOD = ("(^|\\.)(img_mod|txt_mod|modulation|adaLN_modulation|norm1_context|norm1|modC|modX|modCX|"
+        "text_modulation|visual_modulation)\\.(lin|linear|1|out_layer)$",   # ..., AuraFlow, Kandinsky 5
         "adaLN / modulation linear (scales every activation)")
 _EMB = ("(^|\\.)(emb_layers|time_emb|time_embedding|t_embedder)(\\.|$)", "time-embedding projection")
 
@@ -90,6 +91,13 @@ ARCHS: tuple[ArchRules, ...] = (
         skip=(_MOD,),
     ),
     ArchRules(
+        name="auraflow",     # joint (double) layers, then single layers
+        detect=(r"^double_layers\.\d+\.attn\.w1q\.weight$", r"^single_layers\.\d+\."),
+        blocks=(r"^double_layers\.(\d+)\.", r"^single_layers\.(\d+)\."),
+        quantize=(r"\.attn\.w[12][qkvo]$", r"\.mlp[CX]?\.(c_fc1|c_fc2|c_proj)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
         name="sd3",
         detect=(r"^joint_blocks\.\d+\.x_block\.attn\.qkv\.weight$",),
         blocks=(r"^joint_blocks\.(\d+)\.",),
@@ -125,7 +133,8 @@ _GENERIC_SKIP = (r"(^|[._])(norm\w*|ln\w*|embed\w*|emb|embedder|mod|modulation|a
 GENERIC = ArchRules(
     name="generic",
     detect=(),
-    blocks=(r"^([A-Za-z_]*blocks|layers|[A-Za-z_]*transformer_blocks)\.(\d+)\.",),
+    # any numbered list of blocks, layers or refiners; lists are told apart and ordered as the keys list them
+    blocks=(r"^([A-Za-z_]*blocks|[A-Za-z_]*layers|[A-Za-z_]*refiner)\.(\d+)\.",),
     quantize=(r".",),
     skip=((_GENERIC_SKIP, "embedder / norm / modulation / final layer (generic rule)"),),
 )
@@ -240,12 +249,14 @@ def _shapes_of(source) -> dict[str, tuple[tuple[int, ...] | None, int]]:
     return {k: (None, 0) for k in source}
 
 
-def _block_of(name: str, rules: ArchRules) -> tuple[int, int] | None:
+def _block_of(name: str, rules: ArchRules) -> tuple[int, str, int] | None:
+    """(pattern index, block list, index in it): the list is the text before the index (the generic rule's
+    pattern matches several lists, e.g. Kandinsky 5's text then visual blocks)."""
     for gi, pat in enumerate(rules.blocks):
         m = re.search(pat, name)
         if m:
             idx = m.group(m.lastindex) if m.lastindex else ""
-            return gi, int(idx) if idx else 0
+            return gi, name[:m.start(m.lastindex)] if m.lastindex else "", int(idx) if idx else 0
     return None
 
 
@@ -276,7 +287,12 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
         notes.append("architecture not recognised: generic rule (2-D weights inside numbered blocks, "
                      "minus embedders / norms / modulation / final layers)")
 
-    block_ids = sorted({b for k, n in names.items() if k not in outside and (b := _block_of(n, rules)) is not None})
+    found = [b for k, n in names.items() if k not in outside and (b := _block_of(n, rules)) is not None]
+    first_seen = {}
+    for _, lst, _ in found:
+        first_seen.setdefault(lst, len(first_seen))
+    # execution order: the rule's patterns in order; within one pattern, the lists in key order, then the index
+    block_ids = sorted(set(found), key=lambda b: (b[0], first_seen[b[1]], b[2]))
     ordinal = {b: i for i, b in enumerate(block_ids)}
     n_blocks = len(block_ids)
     keep_first = config.keep_first_blocks if config else 0

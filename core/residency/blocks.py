@@ -21,6 +21,8 @@ _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hidream", ("double_stream_blocks", "single_stream_blocks")),
     ("flux", ("double_blocks", "single_blocks")),          # also Chroma, HunyuanVideo
     ("sd3", ("joint_blocks",)),
+    ("auraflow", ("double_layers", "single_layers")),
+    ("kandinsky5", ("text_transformer_blocks", "visual_transformer_blocks")),   # text encoder blocks run first
     ("ltxv_qwen", ("transformer_blocks",)),                  # LTXV, Qwen-Image, diffusers DiTs
     ("wan", ("blocks",)),
     ("lumina", ("context_refiner", "noise_refiner", "layers")),   # Lumina 2, Z-Image (refiners run first)

@@ -59,7 +59,11 @@ def _assert_streamed_every_byte(state, architecture):
 
 
 ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": "flux", "sd3": "sd3",
-        "ltxv": "ltxv_qwen", "ltxav": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream"}
+        "ltxv": "ltxv_qwen", "ltxav": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream",
+        "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
+        "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
+        "krea2": "wan", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
+        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])

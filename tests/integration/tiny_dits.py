@@ -227,9 +227,207 @@ def tiny_hidream() -> TinyDiT:
                    {"samples": torch.zeros(1, 16, 8, 8)})
 
 
+def _model_class(name: str):
+    """``comfy.supported_models.<name>``, or None when the running ComfyUI lacks it."""
+    import comfy.supported_models as sm
+
+    return getattr(sm, name, None)
+
+
+def _tiny_from_config(name: str, cls_name: str, config: dict, latent_shape: tuple, pos, neg) -> TinyDiT | None:
+    cls = _model_class(cls_name)
+    if cls is None:
+        return None
+    return TinyDiT(name, lambda: _patcher_from_config(cls, config, seed=0), pos, neg,
+                   {"samples": torch.zeros(*latent_shape)})
+
+
+def tiny_flux2() -> TinyDiT | None:
+    """FLUX.2 (dev / klein): shared modulation linears outside the blocks (``double_stream_modulation_*``,
+    ``single_stream_modulation``), no biases, SiLU-gated MLPs, 128 latent channels at patch 1; 2 double + 3 single
+    blocks of width 64 (2 heads of 32)."""
+    config = dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=64,
+                  hidden_size=64, mlp_ratio=3.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 8, 8, 8],
+                  theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True, txt_ids_dims=[3],
+                  global_modulation=True, mlp_silu_act=True, ops_bias=False, default_ref_method="index",
+                  ref_index_scale=10.0)
+    pos, neg = _conds(8, 64, 1, pooled_output=None)     # ComfyUI 0.8's Flux reads the key
+    return _tiny_from_config("flux2", "Flux2", config, (1, 128, 4, 4), pos, neg)
+
+
+def _hunyuan_config(**over) -> dict:
+    config = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=None, context_in_dim=64,
+                  hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=2, depth_single_blocks=3, axes_dim=[16, 56, 56],
+                  theta=256, patch_size=[1, 1, 1], qkv_bias=True, guidance_embed=False, byt5=False, meanflow=False,
+                  use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False)
+    config.update(over)
+    return config
+
+
+def tiny_hunyuan_video15() -> TinyDiT | None:
+    """HunyuanVideo 1.5 (t2v/i2v: 32 latent channels + 33 concat channels, cond-type embedding, SigLIP vision
+    input), width 128, 2 double + 3 single blocks."""
+    config = _hunyuan_config(in_channels=65, out_channels=32, use_cond_type_embedding=True, vision_in_dim=1152,
+                             meanflow_sum=True)
+    pos, neg = _conds(8, 64, 1, pooled_output=None)
+    return _tiny_from_config("hunyuan_video15", "HunyuanVideo15", config, (1, 32, 1, 8, 8), pos, neg)
+
+
+def tiny_hunyuan_image21() -> TinyDiT | None:
+    """HunyuanImage 2.1 (HunyuanVideo blocks on 2-D patches, 64 latent channels), width 128, 2 double + 3 single."""
+    config = _hunyuan_config(in_channels=64, out_channels=64, patch_size=[1, 1], axes_dim=[64, 64])
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("hunyuan_image21", "HunyuanImage21", config, (1, 64, 8, 8), pos, neg)
+
+
+def tiny_wan22_5b() -> TinyDiT | None:
+    """Wan 2.2 TI2V 5B (``WAN22_T2V``: 48-channel latent, per-token timesteps), 4 blocks of width 256."""
+    config = dict(image_model="wan2.1", model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=4,
+                  in_dim=48, out_dim=48, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
+                  cross_attn_norm=True, eps=1e-6, text_dim=4096)
+    pos, neg = _conds(8, 4096, 1)
+    return _tiny_from_config("wan22_5b", "WAN22_T2V", config, (1, 48, 1, 4, 4), pos, neg)
+
+
+def tiny_chroma_radiance() -> TinyDiT | None:
+    """Chroma Radiance (pixel space: Chroma blocks, then a per-patch NeRF head), 2 double + 2 single, width 64."""
+    config = dict(image_model="chroma_radiance", in_channels=3, out_channels=3, context_in_dim=64, hidden_size=64,
+                  mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[8, 12, 12], theta=10000,
+                  patch_size=16, qkv_bias=True, in_dim=64, out_dim=64, hidden_dim=64, n_layers=2, txt_ids_dims=[],
+                  vec_in_dim=None, nerf_hidden_size=16, nerf_mlp_ratio=2, nerf_depth=2, nerf_max_freqs=4,
+                  nerf_tile_size=0, nerf_final_head_type="conv", nerf_embedder_dtype=torch.float32, use_x0=False,
+                  use_sequential_txt_ids=False)
+    if _model_class("ChromaRadiance") is not None:   # older releases lack the newest options
+        from comfy.ldm.chroma_radiance.model import ChromaRadianceParams
+
+        for key in ("use_x0", "use_sequential_txt_ids"):
+            if key not in ChromaRadianceParams.__dataclass_fields__:
+                del config[key]
+    pos, neg = _conds(8, 64, 1, pooled_output=None)
+    return _tiny_from_config("chroma_radiance", "ChromaRadiance", config, (1, 3, 32, 32), pos, neg)
+
+
+def _kandinsky5_config(image: bool) -> dict:
+    return dict(image_model="kandinsky5", in_visual_dim=16, out_visual_dim=16, in_text_dim=64, in_text_dim2=32,
+                time_dim=64, model_dim=128, ff_dim=256, visual_embed_dim=64 if image else 132,   # channels x patch
+                patch_size=(1, 2, 2), num_text_blocks=2, num_visual_blocks=3, axes_dims=(16, 24, 24),
+                rope_scale_factor=(1.0, 1.0, 1.0) if image else (1.0, 2.0, 2.0))
+
+
+def tiny_kandinsky5() -> TinyDiT | None:
+    """Kandinsky 5 video: 2 text encoder blocks, then 3 visual decoder blocks, width 128 (head 64 ... see axes)."""
+    pos, neg = (_cond((1, 8, 64), seed, pooled_output=(1, 32)) for seed in (1, 2))
+    return _tiny_from_config("kandinsky5", "Kandinsky5", _kandinsky5_config(False), (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_kandinsky5_image() -> TinyDiT | None:
+    """Kandinsky 5 image (FLUX latent, no concat channels)."""
+    pos, neg = (_cond((1, 8, 64), seed, pooled_output=(1, 32)) for seed in (1, 2))
+    return _tiny_from_config("kandinsky5_image", "Kandinsky5Image", _kandinsky5_config(True), (1, 16, 8, 8), pos, neg)
+
+
+def tiny_longcat_image() -> TinyDiT | None:
+    """LongCat-Image (FLUX blocks, no guidance or pooled vector, 2-axis text positions), 2 double + 3 single."""
+    config = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=None, context_in_dim=64,
+                  hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12],
+                  theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False, txt_ids_dims=[1, 2])
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("longcat_image", "LongCatImage", config, (1, 16, 8, 8), pos, neg)
+
+
+def tiny_ernie_image() -> TinyDiT | None:
+    """ERNIE-Image: one shared adaLN modulation for all layers (outside them), 3 layers of width 64, FLUX.2 latent."""
+    config = dict(image_model="ernie", hidden_size=64, num_attention_heads=2, num_layers=3, ffn_hidden_size=128,
+                  in_channels=128, out_channels=128, patch_size=1, text_in_dim=64, rope_axes_dim=(8, 12, 12))
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("ernie_image", "ErnieImage", config, (1, 128, 4, 4), pos, neg)
+
+
+def tiny_krea2() -> TinyDiT | None:
+    """Krea 2: a text-fusion transformer (2 layer-wise + 2 refiner blocks over the text encoder's layers) runs
+    first, then 3 single-stream blocks of width 64 with a shared time projection; context = 2 text layers of 64."""
+    config = dict(image_model="krea2", features=64, tdim=32, txtdim=64, heads=2, kvheads=2, multiplier=2, layers=3,
+                  patch=2, channels=16, txtlayers=2, txtheads=2, txtkvheads=2)
+    pos, neg = _conds(8, 128, 1)
+    return _tiny_from_config("krea2", "Krea2", config, (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_mage_flow() -> TinyDiT | None:
+    """Mage-Flow (Qwen-Image-style dual-stream blocks, FLUX.2 latent), 3 blocks of width 64."""
+    config = dict(image_model="mage_flow", in_channels=128, out_channels=128, num_layers=3, attention_head_dim=32,
+                  num_attention_heads=2, joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("mage_flow", "MageFlow", config, (1, 128, 4, 4), pos, neg)
+
+
+def tiny_omnigen2() -> TinyDiT | None:
+    """OmniGen2: 2 noise refiners, 2 context refiners, (reference-image refiners, idle without references), then
+    3 layers of width 96 (2 heads of 48)."""
+    config = dict(image_model="omnigen2", patch_size=2, in_channels=16, out_channels=None, hidden_size=96,
+                  num_layers=3, num_refiner_layers=2, num_attention_heads=2, num_kv_heads=1, multiple_of=32,
+                  ffn_dim_multiplier=None, norm_eps=1e-5, axes_dim_rope=(16, 16, 16), axes_lens=(300, 512, 512),
+                  text_feat_dim=64, timestep_scale=1000.0)
+    pos, neg = _conds(8, 64, 1, attention_mask=torch.ones(1, 8, dtype=torch.long))   # its forward takes num_tokens
+    return _tiny_from_config("omnigen2", "Omnigen2", config, (1, 16, 8, 8), pos, neg)
+
+
+def tiny_auraflow() -> TinyDiT | None:
+    """AuraFlow (MMDiT): 2 double (joint) layers, then 2 single layers, width 64; SDXL latent."""
+    config = dict(in_channels=4, out_channels=4, patch_size=2, dim=64, n_layers=4, n_double_layers=2, n_heads=2,
+                  global_conddim=64, cond_seq_dim=64, max_seq=16 * 16)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("auraflow", "AuraFlow", config, (1, 4, 16, 16), pos, neg)
+
+
+def tiny_pixart_sigma() -> TinyDiT | None:
+    """PixArt-Sigma: 4 blocks of width 64 sharing one adaLN projection (``t_block``) outside them; T5 context."""
+    config = dict(image_model="pixart_sigma", input_size=16, patch_size=2, in_channels=4, hidden_size=64, depth=4,
+                  num_heads=2, caption_channels=64, model_max_length=8, micro_condition=False, pe_interpolation=1.0)
+    pos, neg = _conds(8, 64, 1)
+    # 40x40: the positional embedding's base size is the resolution rounded to 64 (0 below 33)
+    return _tiny_from_config("pixart_sigma", "PixArtSigma", config, (1, 4, 40, 40), pos, neg)
+
+
+def tiny_cogvideox() -> TinyDiT | None:
+    """CogVideoX t2v (rotary positions, as 1.5), 4 blocks of width 64 (2 heads of 32)."""
+    config = dict(image_model="cogvideox", num_attention_heads=2, attention_head_dim=32, in_channels=16,
+                  out_channels=16, time_embed_dim=32, text_embed_dim=64, num_layers=4, sample_width=16,
+                  sample_height=16, sample_frames=9, patch_size=2, max_text_seq_length=8,
+                  use_rotary_positional_embeddings=True)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("cogvideox", "CogVideoX_T2V", config, (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_cosmos_predict2() -> TinyDiT | None:
+    """Cosmos-Predict2 text-to-image (MiniTrainDIT with adaLN-LoRA), 3 blocks of width 64."""
+    config = dict(image_model="cosmos_predict2", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
+                  out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+                  crossattn_emb_channels=64, pos_emb_cls="rope3d", pos_emb_learnable=True, pos_emb_interpolation="crop",
+                  min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16, num_blocks=3, num_heads=2,
+                  extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0,
+                  rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0, extra_w_extrapolation_ratio=1.0,
+                  extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("cosmos_predict2", "CosmosT2IPredict2", config, (1, 16, 1, 8, 8), pos, neg)
+
+
+def tiny_joyimage() -> TinyDiT | None:
+    """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
+    config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
+                  num_attention_heads=1, text_dim=64, mlp_width_ratio=2.0, num_layers=3, rope_dim_list=[16, 56, 56],
+                  theta=10000)
+    pos, neg = _conds(8, 64, 1)
+    return _tiny_from_config("joyimage", "JoyImage", config, (1, 16, 1, 8, 8), pos, neg)
+
+
 BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyuan_video": tiny_hunyuan_video,
             "sd3": tiny_sd3, "ltxv": tiny_ltxv, "ltxav": tiny_ltxav, "qwen_image": tiny_qwen_image, "lumina2": tiny_lumina2,
-            "zimage": tiny_zimage, "hidream": tiny_hidream}
+            "zimage": tiny_zimage, "hidream": tiny_hidream, "flux2": tiny_flux2, "hunyuan_video15": tiny_hunyuan_video15,
+            "hunyuan_image21": tiny_hunyuan_image21, "wan22_5b": tiny_wan22_5b, "chroma_radiance": tiny_chroma_radiance,
+            "kandinsky5": tiny_kandinsky5, "kandinsky5_image": tiny_kandinsky5_image, "longcat_image": tiny_longcat_image,
+            "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
+            "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
+            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
