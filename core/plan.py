@@ -24,6 +24,7 @@ FP8_DEQUANT_SLOWDOWN = 1.3          # dequantized per layer: 1.43x (FLUX) to 1.1
 NF4_SLOWDOWN = 1.25                 # dequantize-then-bf16 (seed 000: 0.6-0.9x speed)
 INT8_SLOWDOWN = 1.1
 STREAM_HEADROOM = 0.92              # leave room in the budget when sizing streamed groups
+PARTIAL_TE_MIN_BYTES = 1 * GiB      # the least of a too-big text encoder worth loading (ComfyUI streams the rest)
 LOSS_RANK = {Precision.FP32: 0, Precision.BF16: 0, Precision.FP16: 0, Precision.FP8_E4M3FN: 1,
              Precision.INT8: 1, Precision.NF4: 3}
 
@@ -209,6 +210,7 @@ class _TeOption:
     extra_seconds: float
     loss: float
     note: str = ""
+    partial: bool = False            # bigger than the card: ComfyUI's partial load (lowvram) runs it
 
 
 def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
@@ -330,11 +332,22 @@ def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
     opts = []
     p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
     # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning.
-    for p, loss in ((p16, 0.0), (Precision.FP8_E4M3FN, 0.2)):
+    precisions = ((p16, 0.0), (Precision.FP8_E4M3FN, 0.2))
+    for p, loss in precisions:
         wb = int(spec.te_params * bytes_per_param(p))
         if wb + te_act <= budget:
             opts.append(_TeOption(p, main, Residency.RESIDENT, wb, wb + te_act, 0.0, loss))
             opts.append(_TeOption(p, main, Residency.PHASE, wb, wb + te_act, wb / bw, loss))
+    for p, loss in precisions if not opts and te_act + PARTIAL_TE_MIN_BYTES <= budget else ():
+        # larger than the card even in fp8 (FLUX.2's 24 B Mistral on 8-16 GiB): ComfyUI's own partial load takes
+        # what fits the free memory during encode and casts the rest layer by layer (its lowvram path), so every
+        # byte crosses the bus once per prompt. Planned with the least it needs on the GPU; it takes more when more
+        # is free, and gives it back, as ComfyUI sizes that load from the free memory.
+        wb = int(spec.te_params * bytes_per_param(p))
+        opts.append(_TeOption(p, main, Residency.PHASE, wb, te_act + PARTIAL_TE_MIN_BYTES, wb / bw, loss,
+                                  f"larger than the card ({wb / GiB:.1f} GiB): ComfyUI loads the part that fits the "
+                                  f"free memory while encoding and streams the rest layer by layer (its lowvram "
+                                  f"path); every byte crosses the bus once per prompt", partial=True))
     for g in machine.gpus[1:]:
         wb = int(spec.te_params * bytes_per_param(Precision.BF16 if g.bf16 else Precision.FP16))
         if wb + te_act <= g.total_bytes - OVERHEAD_BYTES:
@@ -507,10 +520,17 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     in_ram = [c for c in cands if ram is None or _host_need(spec, machine, c) <= ram]
     if in_ram and len(in_ram) < len(cands):
         # a plan whose host copies do not fit the RAM pages them from disk every step: slower than predicted
-        # by far. Plans that fit RAM come first; only when none does is the choice left to the goal alone.
+        # by far. Plans that fit RAM come first.
         notes.append(f"host RAM ({ram / GiB:.1f} GiB available) rules out {len(cands) - len(in_ram)} of "
                      f"{len(cands)} plans that fit the GPU: their host copies would page")
-    best = _choose(in_ram or cands, goal)
+    elif not in_ram:
+        # none fits: every plan pages, and the more it keeps the more it pages; the goal picks among the plans
+        # that keep the least (within 5 %)
+        least = min(_host_need(spec, machine, c) for c in cands)
+        in_ram = [c for c in cands if _host_need(spec, machine, c) <= 1.05 * least]
+        notes.append(f"host RAM ({ram / GiB:.1f} GiB available) fits no plan's host copies: planned among those "
+                     f"that keep the least ({least / GiB:.1f} GiB); the OS will page the rest")
+    best = _choose(in_ram, goal)
     return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict)
 
 
@@ -595,7 +615,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if c.te.residency is Residency.PHASE:
         te_notes.append("on the GPU only while encoding; offload is a pointer swap back to the host copy")
     if c.te.precision is Precision.FP8_E4M3FN:
-        te_notes.append("fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): bf16 does not fit the encode phase")
+        why = "half the bytes over the bus and in host RAM" if c.te.partial else "bf16 does not fit the encode phase"
+        te_notes.append(f"fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): {why}")
     te_plan = ComponentPlan(Component.TEXT_ENCODER, c.te.precision, c.te.device, c.te.residency,
                             pin and host[Component.TEXT_ENCODER] > 0, c.te.weight_bytes,
                             c.te.gpu_bytes if c.te.device == gpu.device else (c.te.weight_bytes if c.te.device != "cpu" else 0),

@@ -336,9 +336,40 @@ def test_plans_whose_host_copies_exceed_the_ram_come_last():
     assert any("host RAM (24.0 GiB available) rules out" in n for n in p.notes)
     roomy = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=64))
     assert not any("rules out" in n for n in roomy.notes)
-    # nothing fits the RAM: the goal decides alone, and the paging note stays
+    # nothing fits the RAM: the plan keeps the least host copies (every plan pages, the bigger ones page more)
     tiny = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=2))
     assert any("the OS will page" in n for n in tiny.notes) and not any("rules out" in n for n in tiny.notes)
+    assert any("fits no plan's host copies" in n for n in tiny.notes)
+    assert str(tiny.component("diffusion_model").precision) == "nf4"
+
+
+def test_when_no_plan_fits_the_ram_the_one_that_keeps_the_least_is_chosen():
+    """FLUX.2 dev on 16 GiB with 24 GiB of RAM: no plan's host copies fit (the fp8 text encoder alone is 21 GiB).
+    The planner picked by the goal alone, a bf16 DiT and an fp32 text encoder on the CPU: 145 GiB of host copies
+    paging from disk every step. Now it plans among those that keep the least."""
+    p = plan(get_preset("flux2-dev"), Workload(1024, 1024), machine(16, ram=24))
+    host = sum(p.component(c).weight_bytes for c in ("diffusion_model", "text_encoder", "vae"))
+    assert host < 45 * GiB, host / GiB
+    assert any("fits no plan's host copies" in n for n in p.notes)
+
+
+@pytest.mark.parametrize("vram", [8, 12, 16])
+def test_a_text_encoder_bigger_than_the_card_is_left_to_comfyuis_partial_load(vram):
+    """FLUX.2's 24 B Mistral does not fit 8-16 GiB even in fp8. The only option was the CPU in fp32 (85 GiB of
+    RAM, ~80 s a prompt), where ComfyUI itself loads what fits and streams the rest per layer: the plan now says
+    so, with the bytes that cross the bus once per prompt, and fits a 64 GiB machine."""
+    p = plan(get_preset("flux2-dev"), Workload(1024, 1024), machine(vram, ram=64))
+    te = p.component("text_encoder")
+    assert te.device.startswith("cuda") and te.residency is Residency.PHASE
+    assert te.weight_bytes > vram * GiB                        # bigger than the card: a partial load
+    assert any("ComfyUI loads the part that fits" in n for n in te.notes)
+    host = sum(p.component(c).weight_bytes for c in ("diffusion_model", "text_encoder", "vae"))
+    assert p.fits and host <= 64 * GiB and not any("fits no plan's host copies" in n for n in p.notes)
+    assert p.predicted_extra_seconds < 10                      # the CPU encode alone was ~78 s
+    # a text encoder that fits the card in some precision is still planned whole
+    for name in ("flux1-dev", "wan2.1-14b"):
+        small = plan(get_preset(name), Workload(1024, 1024), machine(vram, ram=64)).component("text_encoder")
+        assert not any("ComfyUI loads the part" in n for n in small.notes)
 
 
 def test_unpinned_streaming_is_timed_at_the_pageable_bandwidth():

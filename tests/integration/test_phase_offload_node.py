@@ -511,3 +511,30 @@ def test_ledger_in_a_real_comfyui_server_reaches_the_node_and_the_output_folder(
         assert f"phase_ledger-{result.prompt_id}-node4.json" in ours[-1]
     finally:
         srv.stop()
+
+
+def test_a_component_bigger_than_the_card_is_partially_loaded_by_comfyui(comfy_env, tiny_wan, monkeypatch):
+    """Recommend plans a text encoder bigger than the card (FLUX.2's 24 B Mistral on 8-16 GiB) as a phase that
+    ComfyUI's own partial load runs: it loads what fits the free memory and casts the rest layer by layer. Under
+    PhaseOffload, on a card emulated at half the model: ComfyUI loads part of it (lowvram), the output is
+    bit-identical to the same partial load without the node, the loaded part is swapped back at the unload (0 bytes
+    device→host) and ComfyUI's accounting is its own."""
+    from test_group_prefetch_node import _emulate_card
+
+    mm = comfy_env.mm
+    model = tiny_wan.load_model()
+    mm.unload_all_models()
+    size = model.model_size()
+    _emulate_card(monkeypatch, mm, size // 2, SimpleNamespace(session=None))
+    plain = _host_offload(model)
+    ref = tiny_wan.sample(plain)["samples"]                               # ComfyUI's own partial load
+    assert 0 < plain.loaded_size() < size and plain.model.model_lowvram
+    mm.unload_all_models()
+    m, _, _, _ = _run_node(comfy_env, _host_offload(model))
+    for _ in range(2):
+        assert torch.equal(tiny_wan.sample(m)["samples"], ref)
+        assert 0 < m.loaded_size() < size and m.model.model_lowvram    # a partial load: ComfyUI streams the rest
+        mm.unload_all_models()
+        assert m.loaded_size() == 0
+    unloads = [r for r in _group(m).records if r["kind"] == "unload"]
+    assert len(unloads) >= 2 and all(r["d2h"] == 0 and r["swapped"] > 0 for r in unloads)
