@@ -115,6 +115,51 @@ def test_cuda_manager_driven_moves_are_copy_in_and_pointer_swap_out():
     assert not m[3].weight.is_pinned()
 
 
+@needs_cuda
+def test_cuda_read_only_weights_are_copied_then_pinned_and_a_failed_register_leaves_no_error(tmp_path):
+    """Weights in a read-only file mapping (GGUF, ComfyUI 0.33's mmap loader) are copied into writable memory and
+    pinned there; the module runs bit-exact through the phase. And what the driver does with a read-only range:
+    registering it directly is tried once, outside the engine, and whatever it answers, the next kernel runs (a
+    failed register's error is consumed). Prints the driver's answer for the record."""
+    import warnings
+
+    import numpy as np
+
+    from comfyui_levers.core.residency.transport import HostMaps, discard_pending_cuda_error
+
+    plain = _model().cuda()
+    x = torch.randn(8, 256, device="cuda")
+    want = _run(plain, x)
+    m = _model()
+    path = tmp_path / "w.bin"
+    w = m[0].weight.detach().contiguous()
+    path.write_bytes(w.numpy().tobytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ro = torch.from_numpy(np.memmap(path, mode="r", dtype=np.float32)).view(w.shape)
+    m[0].weight.data = ro
+    assert HostMaps.read().writable(ro.data_ptr(), ro.nbytes) is False
+    # the driver on a read-only range, directly (the engine never does this)
+    err = torch.cuda.cudart().cudaHostRegister(ro.data_ptr(), ro.nbytes, 1)
+    code = int(err.value) if hasattr(err, "value") else int(err)
+    if code == 0:
+        torch.cuda.cudart().cudaHostUnregister(ro.data_ptr())
+    else:
+        discard_pending_cuda_error()
+    print(f"cudaHostRegister on a read-only mapping: CUDA error {code}")
+    assert torch.equal((x + 1).sum(), (x + 1).sum())              # no stale error surfaces at the next kernel
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_phase_offload(m, PhaseConfig(name="dit", pin="on"), tr, PinnedStore(tr, "on"))
+    pin = h.report()["pin"]
+    assert pin["pinned"] and pin["copied_bytes"] == ro.nbytes, pin
+    assert m[0].weight.is_pinned() and m[0].weight.data_ptr() != ro.data_ptr()
+    for _ in range(2):
+        with h.phase():
+            assert torch.equal(_run(m, x), want)
+    assert not tr.kinds("d2h")
+    h.remove()
+
+
 def bench(gib: float = 4.0, layers: int = 16) -> dict:
     """Onload/offload a bf16 stack of ``gib`` GiB; compare with a raw pinned copy of the same size."""
     per = int(gib * 1024 ** 3 / layers / 2)              # bf16 elements per layer
