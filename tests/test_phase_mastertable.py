@@ -269,3 +269,34 @@ def test_read_only_weights_are_rebound_to_pinned_copies_at_capture(read_only):
         m.to(CPU)
     assert m[1].weight is moved and m[0].weight.data_ptr() == emb.data_ptr()
     assert inner.ledger.d2h_bytes == 0
+
+
+def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_only):
+    """Found in review: the copies were matched to tensors by start address, so a weight and a slice of it that
+    start at the same byte both became the slice, and a transposed view (no master: not contiguous) was rebound
+    to the other's layout. Each tensor now gets its own view of the copy; one without a master stays as it was."""
+    from comfyui_levers.core.residency.pinned import GIB, PinnedStore
+    from comfyui_levers.core.residency.transport import PinResult
+
+    class Pinning(CpuTransport):
+        def pin(self, t):
+            return PinResult(True, "pinned in place", t.nbytes)
+
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.a, m.b, m.head = nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False), nn.Linear(8, 8, bias=False)
+    w = read_only(torch.randn(8, 8))
+    m.a.weight = nn.Parameter(w, requires_grad=False)               # a fused weight ...
+    m.b.weight = nn.Parameter(w[:4], requires_grad=False)           # ... a slice of it, same first byte
+    m.head.weight = nn.Parameter(w.t(), requires_grad=False)        # ... and its transpose (not contiguous)
+    x = torch.randn(2, 8)
+    want = [m.a(x), m.b(x), m.head(x)]
+    store = PinnedStore(Pinning(), "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
+                        os_name="linux")
+    table = MasterTable(m, "dit", Pinning(), store)
+    table.capture()
+    assert table.pin_outcome.copied_bytes == w.nbytes
+    assert m.a.weight.shape == (8, 8) and m.b.weight.shape == (4, 8) and m.head.weight.stride() == (1, 8)
+    assert m.b.weight.data_ptr() == m.a.weight.data_ptr() != w.data_ptr()          # tied in the copy
+    assert m.head.weight.data_ptr() == w.data_ptr()                                 # no master: left as it was
+    assert all(torch.equal(got, ref) for got, ref in zip([m.a(x), m.b(x), m.head(x)], want))

@@ -234,7 +234,9 @@ def test_read_only_groups_are_copied_into_writable_memory_before_pinning(read_on
 
 
 @pytest.mark.parametrize("case", ["off", "no_cuda", "pin_fails", "views"])
-def test_read_only_memory_is_not_copied_when_nothing_will_be_pinned(read_only, case):
+def test_read_only_memory_stays_the_master_when_nothing_is_pinned(read_only, case):
+    """Off, no CUDA or a read-only block with gaps: nothing is copied. A failed pin: the copy made for it is
+    dropped, and the component keeps its original memory (no relocation reported)."""
     blob = read_only(torch.randn(4096))
     named = [("a", blob[:64]), ("b", blob[4000:])] if case == "views" else [("a", blob)]
     tr = PinningTransport(fail_after=0 if case == "pin_fails" else None)
@@ -269,3 +271,50 @@ def test_pin_in_place_refuses_read_only_memory_and_consumes_the_error_a_failed_r
     res = transport.pin_in_place(rw)
     assert not res.pinned and "CUDA error 1" in res.reason
     assert calls == [rw.data_ptr()] and discarded == [1]    # the stale error is taken before torch trips on it
+
+
+def test_the_ram_rule_counts_the_copies_of_read_only_memory(read_only):
+    """Found in review: copies of read-only memory are new, unswappable RAM (the file's pages were reclaimable), but
+    the RAM rule was applied before they were made: 2x cover became 1x. With RAM for exactly twice the pinned set,
+    ordinary memory pins and read-only memory (which needs its copy first) does not."""
+    n = 1 << 16
+    for make, pins in ((lambda t: t, True), (read_only, False)):
+        tr = PinningTransport()
+        store = PinnedStore(tr, "auto", None, available_ram_bytes=2 * 4 * n, total_ram_bytes=128 * GIB,
+                            os_name="linux", has_cuda=True)
+        out = store.pin_component("dit", group_by_storage([("w", make(torch.randn(n)))]))
+        assert out.pinned is pins and (out.copied_bytes == 0 if not pins else True)
+        if not pins:
+            assert "pageable" in out.reason and tr.pinned == []
+
+
+def test_a_released_component_no_longer_holds_its_copies(read_only):
+    store = _store(PinningTransport())
+    store.pin_component("dit", group_by_storage([("w", read_only(torch.randn(256)))]))
+    assert store.outcomes["dit"].relocated
+    store.release("dit")
+    assert store.outcomes["dit"].relocated == {} and store.outcomes["dit"].copied_bytes > 0
+
+
+def test_a_cached_read_only_answer_is_checked_again_before_refusing(monkeypatch):
+    """Found in review: a read-only range unmapped and replaced by fresh memory within the cache's 2 s was refused
+    (and a refused component is never retried). Only a cached "writable" is trusted now."""
+    from comfyui_levers.core.residency import transport
+
+    rw = torch.randn(1024)
+    lo, hi = rw.data_ptr(), rw.data_ptr() + rw.nbytes
+    stale = transport.HostMaps([(lo - 4096, hi + 4096, False)])            # an old reading: read-only there
+    monkeypatch.setattr(transport, "_MAPS", (transport.time.monotonic(), stale))
+    registered = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            registered.append(ptr)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    res = transport.pin_in_place(rw)
+    assert res.pinned and registered == [rw.data_ptr()]
+    transport._REGISTERED.pop(rw.data_ptr(), None)

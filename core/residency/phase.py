@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import ConfigError, IncompatibleInput
 from . import subclass
-from .pinned import PinMode, PinnedStore, PinOutcome, StorageGroup, TensorRef, group_by_storage
+from .pinned import PinMode, PinnedStore, PinOutcome, StorageGroup, TensorRef, group_by_storage, storage_key
 from .transport import Transport, note_compute, tensor_nbytes
 
 
@@ -652,34 +652,53 @@ class MasterTable:
             fresh += 1
         if fresh or self._adopted:
             self._adopted = False
-            uniq = {m.host.data_ptr(): (n, m.host) for n, m in self.masters.items()}
-            for n, w in self.wrapped.items():
-                uniq.update({x.data_ptr(): (f"{n}.{'.'.join(path)}", x) for path, x in w.leaves})
-            groups = group_by_storage(uniq.values())
+            # every master by name (two views of one storage that start at the same byte are both in its span)
+            named = [(n, m.host) for n, m in self.masters.items()]
+            named += [(f"{n}.{'.'.join(path)}", x) for n, w in self.wrapped.items() for path, x in w.leaves]
+            groups = group_by_storage(named)
             self.pin_outcome = self.store.pin_component(self.component, groups)
             if self.pin_outcome.relocated:
-                by_name = {name: x for name, x in uniq.values()}
-                self._move_masters({by_name[r.name].data_ptr(): g.host_view(r)
-                                    for g in self.pin_outcome.relocated.values() for r in g.refs})
+                self._move_masters(groups)
         return fresh
 
-    def _move_masters(self, moved: dict[int, torch.Tensor]) -> None:
+    def _move_masters(self, groups: list) -> None:
         """Point masters, and the module tensors bound to them, at the writable copies the store made of
-        read-only memory (old data_ptr -> its copy, same shape): a rebind, like an offload, not a copy."""
-        for m in self.masters.values():
-            m.host = moved.get(m.host.data_ptr(), m.host)
-        rebuilt: dict[int, torch.Tensor] = {}           # old host wrapper id -> the wrapper around the copies
-        for w in self.wrapped.values():
-            if any(x.data_ptr() in moved for _, x in w.leaves):
-                w.leaves = [(path, moved.get(x.data_ptr(), x)) for path, x in w.leaves]
-                rebuilt[id(w.host)] = subclass.rebuild(w.host, dict(w.leaves))
+        read-only memory: a rebind, like an offload, not a copy. Each tensor gets the view of the copy with its own
+        offset, size and stride, so views of one storage (a weight and a slice of it) stay what they were and stay
+        tied; a tensor with no master (a transposed view) is left on the original memory."""
+        old_to_new = {groups[i].key: g for i, g in self.pin_outcome.relocated.items()}
+
+        def moved(x: torch.Tensor) -> torch.Tensor | None:
+            g = old_to_new.get(storage_key(x))
+            if g is None:
+                return None
+            return g.host_view(TensorRef("", x.storage_offset() * x.element_size(), tuple(x.size()),
+                                         tuple(x.stride()), x.dtype))
+
+        rebuilt: dict[int, tuple | None] = {}          # old host wrapper id -> (leaves, wrapper) around the copies
         for name, owner, attr, is_param, t in _named_tensor_slots(self.root):
-            if id(t) in rebuilt:
-                _set_slot(owner, attr, is_param, rebuilt[id(t)])
-            elif t.device.type == "cpu" and not is_traceable_wrapper_subclass(t) and t.data_ptr() in moved:
-                rebind(t, moved[t.data_ptr()])
-        for w in self.wrapped.values():
-            w.host = rebuilt.get(id(w.host), w.host)
+            w = self.wrapped.get(name)
+            if w is not None and t is w.host:
+                if id(t) not in rebuilt:
+                    leaves = [(path, moved(x)) for path, x in w.leaves]
+                    leaves = [(path, x if x is not None else old) for (path, x), (_, old) in zip(leaves, w.leaves)]
+                    changed = any(x is not old for (_, x), (_, old) in zip(leaves, w.leaves))
+                    rebuilt[id(t)] = (leaves, subclass.rebuild(t, dict(leaves))) if changed else None
+                if rebuilt[id(t)] is not None:
+                    w.leaves, w.host = rebuilt[id(t)]
+                    _set_slot(owner, attr, is_param, w.host)
+                continue
+            m = self.masters.get(name)
+            if (m is not None and t.device.type == "cpu" and not is_traceable_wrapper_subclass(t)
+                    and t.data_ptr() == m.host.data_ptr() and _real_shape(t) == m.host.shape):
+                new = moved(m.host)
+                if new is not None:
+                    rebind(t, new)
+                    m.host = new
+        for m in self.masters.values():                 # masters whose slot holds a device copy right now
+            new = moved(m.host)
+            if new is not None:
+                m.host = new
 
     def onload(self, module: torch.nn.Module, device: torch.device | None = None) -> tuple[int, int]:
         """Copy the masters of tensors under ``module`` that are bound to them, and rebind.

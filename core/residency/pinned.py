@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -268,11 +268,17 @@ class PinnedStore:
         todo = [p for p in pieces if p.data_ptr() not in self._mine and not _is_pinned(p)]
         need = sum(tensor_nbytes(p) for p in todo)
         total = need + already + sum(tensor_nbytes(p) for p in ours)
-        outcome = self._decide(component, need, total, already, bool(ours))
+        maps = HostMaps.recent(max_age_s=0.0) if self.mode is not PinMode.OFF and self.has_cuda else None
+        read_only = {i for i, g in enumerate(groups) if maps is not None and g.host.numel()
+                     and maps.writable(g.host.data_ptr(), g.host.numel()) is False}
+        # copies of read-only memory are new, unswappable RAM, where the file's pages were reclaimable page cache:
+        # the RAM rule sees the available RAM without them
+        copies = sum(groups[i].host.numel() for i in read_only)
+        outcome = self._decide(component, need, total, already, bool(ours), copies)
         if outcome is not None:
             self.outcomes[component] = outcome
             return outcome
-        relocated = self._relocate_read_only(component, groups)
+        relocated = self._relocate_read_only(component, groups, read_only)
         if isinstance(relocated, PinOutcome):
             self.outcomes[component] = relocated
             return relocated
@@ -304,17 +310,15 @@ class PinnedStore:
         self.outcomes[component] = outcome
         return outcome
 
-    def _relocate_read_only(self, component: str,
-                            groups: list[StorageGroup]) -> "dict[int, StorageGroup] | PinOutcome":
-        """Writable copies of the groups that live in read-only memory, by index (a GGUF file's or ComfyUI's
-        memory map): cudaHostRegister fails on such memory, so the masters move into a fresh host buffer that
-        can be page-locked (the file's pages stay clean page cache the OS may reclaim). Only called once the
-        component is going to be pinned, and counted in the same budget."""
-        maps = HostMaps.recent(max_age_s=0.0)
+    def _relocate_read_only(self, component: str, groups: list[StorageGroup],
+                            read_only: set[int]) -> "dict[int, StorageGroup] | PinOutcome":
+        """Writable copies of the ``read_only`` groups, by index (a GGUF file's or ComfyUI's memory map):
+        cudaHostRegister fails on such memory, so the masters move into a fresh host buffer that can be
+        page-locked (the file's pages stay clean page cache the OS may reclaim). Only called once the component is
+        going to be pinned, and counted in the same budget."""
         out: dict[int, StorageGroup] = {}
-        for i, g in enumerate(groups):
-            if not g.host.numel() or maps.writable(g.host.data_ptr(), g.host.numel()) is not False:
-                continue
+        for i in sorted(read_only):
+            g = groups[i]
             if g.per_tensor:
                 return PinOutcome(component, False, f"pageable: views into a larger block of {READ_ONLY_REASON}",
                                   sum(x.nbytes for x in groups))
@@ -339,8 +343,10 @@ class PinnedStore:
         for p in stale:
             self._unpin(component, p)
 
-    def _decide(self, component: str, need: int, total: int, already: int, ours: bool) -> PinOutcome | None:
-        """An outcome when pinning is skipped, None when it should go ahead."""
+    def _decide(self, component: str, need: int, total: int, already: int, ours: bool,
+                copies: int = 0) -> PinOutcome | None:
+        """An outcome when pinning is skipped, None when it should go ahead. ``copies``: bytes that must first be
+        copied out of read-only memory (they take RAM the rule would otherwise count as available)."""
         if self.mode is PinMode.OFF:
             return PinOutcome(component, False, "pageable: pinning is off", total, already)
         if need == 0:
@@ -356,7 +362,10 @@ class PinnedStore:
                 return PinOutcome(component, False, f"pageable: pin budget {self.budget_bytes / GIB:.2f} GiB "
                                   f"is spent ({self.pinned_bytes / GIB:.2f} GiB pinned)", total, already)
             return None
-        ok, reason = pin_decision(self.pinned_bytes + need, self.available_ram_bytes, self.os_name,
+        avail = self.available_ram_bytes
+        if avail is not None and copies:
+            avail = max(0, avail - copies)
+        ok, reason = pin_decision(self.pinned_bytes + need, avail, self.os_name,
                                   self.has_cuda, self.total_ram_bytes, self.budget_bytes)
         return None if ok else PinOutcome(component, False, f"pageable: {reason}", total, already)
 
@@ -364,6 +373,8 @@ class PinnedStore:
         """Unpin every range this store pinned for ``component`` (e.g. when its handle is removed)."""
         self._drop(component, keep=set())
         self._by_component.pop(component, None)
+        if component in self.outcomes:          # the outcome stays for the report, without the copies it held
+            self.outcomes[component] = replace(self.outcomes[component], relocated={})
 
     def unpin_all(self) -> None:
         """Unregister exactly the ranges this store registered. Waits for in-flight copies first."""

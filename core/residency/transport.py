@@ -251,7 +251,7 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
     if nbytes == 0:
         return PinResult(False, "empty tensor", 0)
     writable = HostMaps.recent().writable(ptr, nbytes)
-    if writable is None:                    # mapped since the last read: read again
+    if writable is not True:    # only "writable" is trusted from an older reading: the range may be mapped anew
         writable = HostMaps.recent(max_age_s=0.0).writable(ptr, nbytes)
     if writable is False:
         # registering a read-only mapping needs cudaHostRegisterReadOnly, which not every device supports; the
@@ -329,8 +329,9 @@ class HostMaps:
 
     @classmethod
     def recent(cls, max_age_s: float = 2.0) -> "HostMaps":
-        """The mappings as read at most ``max_age_s`` ago (one read serves a whole batch of pins). A mapping made
-        since reads as unknown (callers read again); a failed registration still fails soft."""
+        """The mappings as read at most ``max_age_s`` ago (one read serves a whole batch of pins). Callers trust
+        only a "writable" answer from it and read again otherwise (a range freed and mapped anew since may have
+        changed); a failed registration still fails soft."""
         global _MAPS
         now = time.monotonic()
         if _MAPS is None or now - _MAPS[0] > max_age_s:
