@@ -332,22 +332,25 @@ def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
     opts = []
     p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
     # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning.
-    precisions = ((p16, 0.0), (Precision.FP8_E4M3FN, 0.2))
-    for p, loss in precisions:
+    room = budget - te_act                    # the encode phase has the card to itself (PhaseOffload)
+    prompts = 1 if spec.guidance_distilled else 2         # CFG models encode a negative prompt too
+    for p, loss in ((p16, 0.0), (Precision.FP8_E4M3FN, 0.2)):
         wb = int(spec.te_params * bytes_per_param(p))
-        if wb + te_act <= budget:
+        if wb <= room:
             opts.append(_TeOption(p, main, Residency.RESIDENT, wb, wb + te_act, 0.0, loss))
             opts.append(_TeOption(p, main, Residency.PHASE, wb, wb + te_act, wb / bw, loss))
-    for p, loss in precisions if not opts and te_act + PARTIAL_TE_MIN_BYTES <= budget else ():
-        # larger than the card even in fp8 (FLUX.2's 24 B Mistral on 8-16 GiB): ComfyUI's own partial load takes
-        # what fits the free memory during encode and casts the rest layer by layer (its lowvram path), so every
-        # byte crosses the bus once per prompt. Planned with the least it needs on the GPU; it takes more when more
-        # is free, and gives it back, as ComfyUI sizes that load from the free memory.
-        wb = int(spec.te_params * bytes_per_param(p))
-        opts.append(_TeOption(p, main, Residency.PHASE, wb, te_act + PARTIAL_TE_MIN_BYTES, wb / bw, loss,
+        elif room >= PARTIAL_TE_MIN_BYTES:
+            # larger than the card in this precision (FLUX.2's 24 B Mistral on 8-16 GiB, a bf16 Qwen-VL on 8 GiB):
+            # ComfyUI's own partial load keeps what fits the free memory during encode and casts the rest layer by
+            # layer (its lowvram path), so that rest crosses the bus at every encode (the negative prompt too).
+            # Planned with the least it needs on the GPU; it takes more when more is free and gives it back, as
+            # ComfyUI sizes that load from the free memory.
+            streamed = wb - room
+            opts.append(_TeOption(p, main, Residency.PHASE, wb, te_act + PARTIAL_TE_MIN_BYTES,
+                                  (room + prompts * streamed) / bw, loss,
                                   f"larger than the card ({wb / GiB:.1f} GiB): ComfyUI loads the part that fits the "
                                   f"free memory while encoding and streams the rest layer by layer (its lowvram "
-                                  f"path); every byte crosses the bus once per prompt", partial=True))
+                                  f"path), about {streamed / GiB:.1f} GiB per encode", partial=True))
     for g in machine.gpus[1:]:
         wb = int(spec.te_params * bytes_per_param(Precision.BF16 if g.bf16 else Precision.FP16))
         if wb + te_act <= g.total_bytes - OVERHEAD_BYTES:
