@@ -62,7 +62,7 @@ ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": 
         "ltxv": "ltxv_qwen", "ltxav": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream",
         "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
         "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
-        "krea2": "wan", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
+        "krea2": "krea2", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
         "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback"}
 
 
