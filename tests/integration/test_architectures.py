@@ -108,6 +108,35 @@ def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny):
     _assert_streamed_every_byte(state, ARCH[tiny.name])
 
 
+# lists the census counts as blocks that the model runs only with inputs the sweep does not give (so they do not
+# stream): OmniGen2's reference-image refiners run only when there are reference images
+CENSUS_ONLY = {"omnigen2": ("ref_image_refiner.",)}
+
+
+def test_census_numbers_the_blocks_group_prefetch_streams(comfy_env, tiny):
+    """QuantizeDiT's census and GroupPrefetch must agree on the blocks and their order: keep_first_blocks /
+    keep_last_blocks count in the census's order, and a block the census does not see is never quantized (Krea 2's
+    text-fusion blocks streamed, but the generic census took only ``blocks`` and left them in bf16; OmniGen2's
+    generic census counted its noise refiners before the context refiners the model runs first)."""
+    from comfyui_levers.core.quant import census
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    dm = tiny.load().model.diffusion_model
+    names = [n for n, _ in find_blocks(dm).blocks]
+    c = census(dm.state_dict())
+    ordinals: dict[int, set] = {i: set() for i in range(len(names))}
+    for e in c.entries:
+        streamed = [i for i, n in enumerate(names) if e.key.startswith(f"{n}.")]
+        if streamed:
+            ordinals[streamed[0]].add(e.block)
+        elif not e.key.startswith(CENSUS_ONLY.get(tiny.name, ())):
+            assert e.block is None, (c.arch, e.key, e.block)
+    assert all(len(o) == 1 and None not in o for o in ordinals.values()), (c.arch, ordinals)
+    order = [next(iter(ordinals[i])) for i in range(len(names))]
+    assert order == sorted(order), (c.arch, list(zip(names, order)))
+    assert c.quantized, c.format_text()
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 def test_every_streamed_block_reads_its_weights_from_the_slots(comfy_env, tiny, monkeypatch, fp8):
     """The ledger shows the bytes crossed; this shows the blocks used them: every floating-point slot copy lands
