@@ -63,7 +63,7 @@ ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": 
         "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
         "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
         "krea2": "krea2", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
-        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback"}
+        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])

@@ -411,6 +411,44 @@ def tiny_cosmos_predict2() -> TinyDiT | None:
     return _tiny_from_config("cosmos_predict2", "CosmosT2IPredict2", config, (1, 16, 1, 8, 8), pos, neg)
 
 
+def tiny_anima() -> TinyDiT | None:
+    """Anima: Cosmos-Predict2 blocks (3 of width 64) behind ComfyUI's ``LLMAdapter``, which maps Qwen3 0.6B states
+    and T5 token ids to the cross-attention context (in the model's ``extra_conds`` under inference mode, in its
+    forward otherwise, as here). ``Anima()`` builds the adapter at its released size (6 blocks of width 1024 and a
+    32128-token embedding, ~134 M weights: 5 s a load here), so it is rebuilt at width 64 with 2 blocks through the
+    same class's own arguments before the weights are filled. Context: 8 states of 64 plus T5 ids and weights."""
+    cls = _model_class("Anima")
+    if cls is None:
+        return None
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.ops
+    from comfy.ldm.anima.model import LLMAdapter
+
+    config = dict(image_model="anima", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
+                  out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+                  crossattn_emb_channels=64, pos_emb_cls="rope3d", pos_emb_learnable=True,
+                  pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16,
+                  num_blocks=3, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+                  rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0,
+                  extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+
+    def load():
+        mc = cls(config)
+        mc.set_inference_dtype(torch.float32, None)
+        model = mc.get_model({})
+        dm = model.diffusion_model
+        ops = comfy.ops.pick_operations(None, model.manual_cast_dtype)
+        dm.llm_adapter = LLMAdapter(source_dim=64, target_dim=64, model_dim=64, num_layers=2, num_heads=2,
+                                    dtype=torch.float32, operations=ops)
+        dm.load_state_dict(fill_random_({k: torch.empty(v.shape) for k, v in dm.state_dict().items()}, 0))
+        return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                                offload_device=mm.unet_offload_device())
+    ids = torch.tensor([5, 17, 301, 4000, 12, 9, 1, 0], dtype=torch.int)
+    pos, neg = (_cond((1, 8, 64), seed, t5xxl_ids=ids, t5xxl_weights=torch.ones(8)) for seed in (1, 2))
+    return TinyDiT("anima", load, pos, neg, {"samples": torch.zeros(1, 16, 1, 8, 8)})
+
+
 def tiny_joyimage() -> TinyDiT | None:
     """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
     config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
@@ -427,7 +465,7 @@ BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyua
             "kandinsky5": tiny_kandinsky5, "kandinsky5_image": tiny_kandinsky5_image, "longcat_image": tiny_longcat_image,
             "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
             "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
-            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage}
+            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage, "anima": tiny_anima}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
