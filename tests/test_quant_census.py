@@ -490,3 +490,24 @@ def test_omnigen2_context_refiners_count_first():
     assert not c.should_quantize("layers.1.attn.to_out.0.weight") and c.should_quantize("layers.0.attn.to_out.0.weight")
     kept = {e.key: e.reason for e in c.kept}
     assert "modulation" in kept["layers.0.norm1.linear.weight"] and "outside" in kept["norm_out.linear_1.weight"]
+
+
+def test_hidream_o1_decoder_layers_quantize_vision_tower_stays():
+    """HiDream-O1's blocks are ``language_model.layers`` (a dotted list the generic rule never matches: it quantized
+    nothing); the vision tower (reference images only), the token embedding and the patch shims stay."""
+    k = {"t_embedder1.mlp.0.weight": (256, 256), "x_embedder.proj1.weight": (64, 3072), "x_embedder.proj2.weight": (256, 64),
+         "final_layer2.linear.weight": (3072, 256), "language_model.embed_tokens.weight": (151936, 256),
+         "language_model.norm.weight": (256,), "visual.blocks.0.attn.qkv.weight": (384, 128),
+         "visual.merger.linear_fc1.weight": (512, 512)}
+    for i in range(3):
+        p = f"language_model.layers.{i}."
+        for n, s in (("q_proj", (256, 256)), ("k_proj", (128, 256)), ("v_proj", (128, 256)), ("o_proj", (256, 256))):
+            k[f"{p}self_attn.{n}.weight"] = s
+        k[f"{p}mlp.gate_proj.weight"], k[f"{p}mlp.up_proj.weight"] = (768, 256), (768, 256)
+        k[f"{p}mlp.down_proj.weight"] = (256, 768)
+        k[f"{p}self_attn.q_norm.weight"], k[f"{p}input_layernorm.weight"] = (64,), (256,)
+    c = census(k, config=QuantConfig("fp8", keep_last_blocks=1))
+    assert c.arch == "hidream_o1" and c.n_blocks == 3
+    assert {e.key for e in c.quantized} == {key for key in k if key.startswith(("language_model.layers.0.",
+                                                                                "language_model.layers.1."))
+                                            and "_proj" in key}

@@ -75,6 +75,13 @@ ARCHS: tuple[ArchRules, ...] = (
         skip=(_MOD,),
     ),
     ArchRules(
+        name="hidream_o1",   # a Qwen3-VL decoder over text tokens and 32x32 RGB patches; the vision tower stays
+        detect=(r"^t_embedder1\.mlp\.0\.weight$", r"^language_model\.layers\.\d+\.self_attn\.q_proj\.weight$"),
+        blocks=(r"^language_model\.layers\.(\d+)\.",),
+        quantize=(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$", r"\.mlp\.(gate_proj|up_proj|down_proj)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
         name="wan",
         detect=(r"^blocks\.\d+\.self_attn\.q\.weight$", r"^(patch_embedding|head\.modulation)"),
         blocks=(r"^blocks\.(\d+)\.", r"^vace_blocks\.(\d+)\."),

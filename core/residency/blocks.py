@@ -26,6 +26,8 @@ _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ltxv_qwen", ("transformer_blocks",)),                  # LTXV, Qwen-Image, diffusers DiTs
     # Krea 2: the text-fusion transformer (layer-wise blocks, a projector, refiner blocks) runs before the blocks
     ("krea2", ("txtfusion.layerwise_blocks", "txtfusion.refiner_blocks", "blocks")),
+    # HiDream-O1: the Qwen3-VL decoder's layers (its vision tower runs only on reference images, once per prompt)
+    ("hidream_o1", ("language_model.layers",)),
     ("wan", ("blocks",)),
     ("lumina", ("context_refiner", "noise_refiner", "layers")),   # Lumina 2, Z-Image (refiners run first)
     ("lumina", ("layers",)),

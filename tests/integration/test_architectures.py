@@ -63,7 +63,7 @@ ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": 
         "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
         "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
         "krea2": "krea2", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
-        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan", "ideogram4": "lumina"}
+        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan", "ideogram4": "lumina", "hidream_o1": "hidream_o1"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])
@@ -99,7 +99,10 @@ def test_blocks_are_found_in_the_order_the_model_runs_them(comfy_env, tiny):
 # architectures whose QuantizeDiT quality check cannot yet be driven (strict: the test fails once it can)
 QUALITY_CHECK_GAPS = {"ideogram4": "bridge/quant.py finds no text-context width: Ideogram 4's is unet_config "
                                    "llm_features_dim (its llm_cond_proj's in_features), in neither _CONTEXT_KEYS nor "
-                                   "_CONTEXT_LAYERS"}
+                                   "_CONTEXT_LAYERS",
+                      "hidream_o1": "bridge/quant.py cannot drive HiDream-O1: its conditioning is the prompt's token "
+                                    "ids (text_input_ids, from which extra_conds builds input_ids, position_ids and "
+                                    "ar_len), not a context tensor of some width"}
 
 
 def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny, request):

@@ -26,6 +26,9 @@ class TinyDiT:
     def sample(self, model, steps: int = 2, cfg: float = 2.0, seed: int = 0):
         import nodes
 
+        # HiDream-O1 keeps the prompt prefix's K/V across samplings (ComfyUI never clears it): a second run starts
+        # from the cache and differs from the first in the last bits. Every sample here starts cold.
+        getattr(model.model.diffusion_model, "clear_kv_cache", lambda: None)()
         return nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", self.pos, self.neg,
                                      self.latent)[0]["samples"]
 
@@ -466,6 +469,25 @@ def tiny_ideogram4() -> TinyDiT | None:
                    pos, neg, {"samples": torch.zeros(1, 128, 4, 4)})
 
 
+def tiny_hidream_o1() -> TinyDiT | None:
+    """HiDream-O1-Image: a Qwen3-VL decoder (``language_model.layers``) over the prompt's token ids and 32x32 RGB
+    patches (pixel space, no VAE), plus a vision tower for reference images (idle without them). Sizes through the
+    class's own ``text_config_overrides`` / ``vision_config_overrides``: 4 decoder layers of width 64 (2 heads and
+    1 KV head of 32), vision width 32 with 2 blocks. The vocabulary keeps its released size: the prompt template's
+    special tokens (``<|tms|>`` = 151673) index it. Conditioning: the pass-through text encoder's token ids."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, rope_dims=[6, 5, 5])
+    vision = dict(hidden_size=32, num_heads=2, intermediate_size=64, depth=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=())
+    config = {"image_model": "hidream_o1", "text_config_overrides": text, "vision_config_overrides": vision}
+
+    def cond(words):
+        ids = torch.tensor([[151644, 872, 198, *words, 151645, 198, 151644, 77091, 198, 151669, 151673]])
+        return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    return _tiny_from_config("hidream_o1", "HiDreamO1", config, (1, 3, 64, 64), cond([1000, 2000, 3000]),
+                             cond([1001, 17]))
+
+
 def tiny_joyimage() -> TinyDiT | None:
     """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
     config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
@@ -483,7 +505,7 @@ BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyua
             "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
             "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
             "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage, "anima": tiny_anima,
-            "ideogram4": tiny_ideogram4}
+            "ideogram4": tiny_ideogram4, "hidream_o1": tiny_hidream_o1}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
