@@ -18,6 +18,10 @@ from .inputs import require_clip, require_model, require_vae
 # HunyuanImage21 before hunyuan_video, LTXAV before ltx). ComfyUI 0.33's classes: model_base.Flux2, Chroma, HiDream,
 # Lumina2 (Lumina 2 and Z-Image), HunyuanVideo15, HunyuanImage21, LTXAV, WAN22 (Wan 2.2 5B; its A14B experts are WAN21).
 _FAMILIES = [("flux2", "flux2", "flux2-dev"), ("chroma", "flux", "chroma"), ("flux", "flux", "flux1-dev"),
+             # HiDream-O1: pixel space (no VAE), 32x32 RGB patches, text and image in one sequence. No preset is
+             # pixel-space; HunyuanImage 2.1's (32x VAE, patch 1) makes the same 32 px a token, where HiDream-I1's
+             # (8x, patch 2) made 4x the tokens. Its family stays hidream (text counted in the sequence)
+             ("hidream_o1", "hidream", "hunyuanimage-2.1"),
              ("hidream", "hidream", "hidream-i1"), ("lumina", "lumina", "z-image"),
              ("hunyuanvideo15", "hunyuan", "hunyuanvideo-1.5"), ("hunyuanimage21", "hunyuan", "hunyuanimage-2.1"),
              ("wan", "wan", "wan2.1-14b"), ("hunyuanvideo", "hunyuan", "hunyuanvideo"),

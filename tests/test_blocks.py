@@ -48,6 +48,43 @@ def test_known_layouts_in_execution_order(attrs, arch):
     assert sorted(n for n, _ in layout.remainder) == ["embed.bias", "embed.weight", "final.bias", "final.weight"]
 
 
+def test_krea2_text_fusion_blocks_in_a_submodule_run_before_the_blocks():
+    """Krea 2's text-fusion transformer (``txtfusion``: layer-wise blocks, a projector, refiner blocks) runs before
+    its ``blocks``; the Wan rule took only ``blocks``, so the text-fusion blocks stayed resident."""
+    m = _model(blocks=_lst(3))
+    m.txtfusion = nn.Module()
+    m.txtfusion.layerwise_blocks = _lst(2)
+    m.txtfusion.projector = nn.Linear(4, 1)
+    m.txtfusion.refiner_blocks = _lst(2)
+    layout = find_blocks(m)
+    assert layout.architecture == "krea2"
+    assert [n for n, _ in layout.blocks] == ["txtfusion.layerwise_blocks.0", "txtfusion.layerwise_blocks.1",
+                                             "txtfusion.refiner_blocks.0", "txtfusion.refiner_blocks.1",
+                                             "blocks.0", "blocks.1", "blocks.2"]
+    assert all(mod is m.get_submodule(name) for name, mod in layout.blocks)
+    assert sorted(n for n, _ in layout.remainder) == ["embed.bias", "embed.weight", "final.bias", "final.weight",
+                                                      "txtfusion.projector.bias", "txtfusion.projector.weight"]
+    del m.txtfusion.refiner_blocks                    # a path that does not resolve: the next layout matches
+    assert find_blocks(m).architecture == "wan"
+
+
+def test_hidream_o1_decoder_layers_in_a_submodule():
+    """HiDream-O1's blocks are its Qwen3-VL decoder's ``language_model.layers``; the vision tower's blocks (reference
+    images only) and the 152k-token embedding stay in the remainder. At tiny sizes the embedding outweighs the
+    layers, so the fallback found nothing."""
+    m = _model()
+    m.language_model = nn.Module()
+    m.language_model.embed_tokens = nn.Embedding(4096, 8)
+    m.language_model.layers = _lst(3)
+    m.visual = nn.Module()
+    m.visual.blocks = _lst(2)
+    layout = find_blocks(m)
+    assert layout.architecture == "hidream_o1"
+    assert [n for n, _ in layout.blocks] == [f"language_model.layers.{i}" for i in range(3)]
+    rest = {n for n, _ in layout.remainder}
+    assert {"language_model.embed_tokens.weight", "visual.blocks.0.lin.weight", "visual.blocks.1.lin.bias"} <= rest
+
+
 def test_flux_order_is_double_then_single_even_if_registered_in_reverse():
     m = nn.Module()
     m.single_blocks = _lst(2)

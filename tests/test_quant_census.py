@@ -424,3 +424,90 @@ def test_generic_rule_orders_several_block_lists_as_the_keys_list_them():
     qmod = census(k, config=QuantConfig("fp8", quantize_modulation=True))
     assert qmod.should_quantize("visual_transformer_blocks.1.visual_modulation.out_layer.weight")
     assert not qmod.should_quantize("out_layer.modulation.out_layer.weight")     # final layer: outside the blocks
+
+
+def krea2_keys(d=128, txt=64, layers=3) -> dict:
+    """Krea 2: ``txtfusion`` (2 layer-wise blocks, a projector over the text encoder's layers, 2 refiner blocks) runs
+    before the single-stream ``blocks``; per-block modulation is a 1-D table added to the shared ``tproj``."""
+    k = {"first.weight": (d, 64), "tmlp.0.weight": (d, 256), "tmlp.2.weight": (d, d), "tproj.1.weight": (6 * d, d),
+         "txtfusion.projector.weight": (1, 12), "txtmlp.0.scale": (txt,), "txtmlp.1.weight": (d, txt),
+         "txtmlp.3.weight": (d, d), "last.linear.weight": (16, d), "last.norm.scale": (d,), "last.modulation.lin": (2, d)}
+    blocks = [(f"txtfusion.layerwise_blocks.{i}.", txt) for i in range(2)]
+    blocks += [(f"txtfusion.refiner_blocks.{i}.", txt) for i in range(2)] + [(f"blocks.{i}.", d) for i in range(layers)]
+    for p, w in blocks:
+        for n in ("wq", "wk", "wv", "gate", "wo"):
+            k[f"{p}attn.{n}.weight"] = (w, w)
+        k[f"{p}attn.qknorm.qnorm.scale"] = (32,)
+        k[f"{p}mlp.gate.weight"], k[f"{p}mlp.up.weight"], k[f"{p}mlp.down.weight"] = (3 * w, w), (3 * w, w), (w, 3 * w)
+        k[f"{p}prenorm.scale"] = (w,)
+        if p.startswith("blocks"):
+            k[f"{p}mod.lin"] = (6 * w,)
+    return k
+
+
+def test_krea2_text_fusion_blocks_quantize_and_run_first():
+    """Krea 2 matched no rule: the generic rule took ``blocks`` only, so its text-fusion transformer (about 0.7 GB of
+    bf16 on the released model) stayed unquantized, and keep_first_blocks counted from the main blocks."""
+    keys = krea2_keys()
+    assert detect_arch(keys) == "krea2"
+    c = census(keys, config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert c.arch == "krea2" and c.n_blocks == 2 + 2 + 3
+    assert not c.should_quantize("txtfusion.layerwise_blocks.0.attn.wq.weight")          # first block
+    assert c.should_quantize("txtfusion.layerwise_blocks.1.attn.gate.weight")
+    assert c.should_quantize("txtfusion.refiner_blocks.0.mlp.down.weight")
+    assert c.should_quantize("blocks.0.attn.wo.weight") and c.should_quantize("blocks.1.mlp.up.weight")
+    assert not c.should_quantize("blocks.2.mlp.gate.weight")                              # last block
+    order = {e.key.rsplit(".attn.wq", 1)[0]: e.block for e in c.entries if e.key.endswith(".attn.wq.weight")}
+    assert sorted(order, key=order.get) == ["txtfusion.layerwise_blocks.0", "txtfusion.layerwise_blocks.1",
+                                            "txtfusion.refiner_blocks.0", "txtfusion.refiner_blocks.1",
+                                            "blocks.0", "blocks.1", "blocks.2"]
+    plain = census(keys)
+    assert {e.key for e in plain.quantized} == {k for k in keys if ".attn.w" in k or ".attn.gate" in k
+                                                or ".mlp." in k}
+    for k in ("txtfusion.projector.weight", "txtmlp.1.weight", "tproj.1.weight", "last.linear.weight",
+              "blocks.0.mod.lin", "blocks.0.prenorm.scale", "txtfusion.refiner_blocks.1.attn.qknorm.qnorm.scale"):
+        assert not plain.should_quantize(k), k
+
+
+def test_omnigen2_context_refiners_count_first():
+    """OmniGen2 runs its context refiners, then the noise refiners (then the reference-image refiners, with
+    references), then the layers; the generic rule counted the lists in key order (noise refiners first), so
+    keep_first_blocks kept a noise refiner and quantized the first block the model runs."""
+    k = {"x_embedder.weight": (96, 64), "norm_out.linear_1.weight": (96, 96)}
+    for lst in ("noise_refiner", "ref_image_refiner", "context_refiner", "layers"):
+        for i in range(2):
+            p = f"{lst}.{i}."
+            for n in ("to_q", "to_k", "to_v", "to_out.0"):
+                k[f"{p}attn.{n}.weight"] = (96, 96)
+            k[f"{p}feed_forward.linear_1.weight"], k[f"{p}feed_forward.linear_2.weight"] = (384, 96), (96, 384)
+            if lst != "context_refiner":
+                k[f"{p}norm1.linear.weight"] = (384, 96)
+    c = census(k, config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert c.arch == "omnigen2" and c.n_blocks == 8
+    assert not c.should_quantize("context_refiner.0.attn.to_q.weight")
+    assert c.should_quantize("noise_refiner.0.attn.to_q.weight") and c.should_quantize("context_refiner.1.attn.to_q.weight")
+    assert c.should_quantize("ref_image_refiner.1.feed_forward.linear_2.weight")
+    assert not c.should_quantize("layers.1.attn.to_out.0.weight") and c.should_quantize("layers.0.attn.to_out.0.weight")
+    kept = {e.key: e.reason for e in c.kept}
+    assert "modulation" in kept["layers.0.norm1.linear.weight"] and "outside" in kept["norm_out.linear_1.weight"]
+
+
+def test_hidream_o1_decoder_layers_quantize_vision_tower_stays():
+    """HiDream-O1's blocks are ``language_model.layers`` (a dotted list the generic rule never matches: it quantized
+    nothing); the vision tower (reference images only), the token embedding and the patch shims stay."""
+    k = {"t_embedder1.mlp.0.weight": (256, 256), "x_embedder.proj1.weight": (64, 3072), "x_embedder.proj2.weight": (256, 64),
+         "final_layer2.linear.weight": (3072, 256), "language_model.embed_tokens.weight": (151936, 256),
+         "language_model.norm.weight": (256,), "visual.blocks.0.attn.qkv.weight": (384, 128),
+         "visual.merger.linear_fc1.weight": (512, 512)}
+    for i in range(3):
+        p = f"language_model.layers.{i}."
+        for n, s in (("q_proj", (256, 256)), ("k_proj", (128, 256)), ("v_proj", (128, 256)), ("o_proj", (256, 256))):
+            k[f"{p}self_attn.{n}.weight"] = s
+        k[f"{p}mlp.gate_proj.weight"], k[f"{p}mlp.up_proj.weight"] = (768, 256), (768, 256)
+        k[f"{p}mlp.down_proj.weight"] = (256, 768)
+        k[f"{p}self_attn.q_norm.weight"], k[f"{p}input_layernorm.weight"] = (64,), (256,)
+    c = census(k, config=QuantConfig("fp8", keep_last_blocks=1))
+    assert c.arch == "hidream_o1" and c.n_blocks == 3
+    assert {e.key for e in c.quantized} == {key for key in k if key.startswith(("language_model.layers.0.",
+                                                                                "language_model.layers.1."))
+                                            and "_proj" in key}

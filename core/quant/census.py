@@ -67,6 +67,21 @@ ARCHS: tuple[ArchRules, ...] = (
         skip=(_MOD,),
     ),
     ArchRules(
+        name="krea2",        # text-fusion transformer (layer-wise, then refiner blocks) runs first, then the blocks
+        detect=(r"^txtfusion\.projector\.weight$", r"^blocks\.\d+\.attn\.wq\.weight$"),
+        blocks=(r"^txtfusion\.layerwise_blocks\.(\d+)\.", r"^txtfusion\.refiner_blocks\.(\d+)\.", r"^blocks\.(\d+)\."),
+        # attn.gate is the sigmoid output gate's projection of the block input, a projection like wq
+        quantize=(r"\.attn\.(wq|wk|wv|wo|gate)$", r"\.mlp\.(gate|up|down)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
+        name="hidream_o1",   # a Qwen3-VL decoder over text tokens and 32x32 RGB patches; the vision tower stays
+        detect=(r"^t_embedder1\.mlp\.0\.weight$", r"^language_model\.layers\.\d+\.self_attn\.q_proj\.weight$"),
+        blocks=(r"^language_model\.layers\.(\d+)\.",),
+        quantize=(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$", r"\.mlp\.(gate_proj|up_proj|down_proj)$"),
+        skip=(_MOD,),
+    ),
+    ArchRules(
         name="wan",
         detect=(r"^blocks\.\d+\.self_attn\.q\.weight$", r"^(patch_embedding|head\.modulation)"),
         blocks=(r"^blocks\.(\d+)\.", r"^vace_blocks\.(\d+)\."),
@@ -117,6 +132,14 @@ ARCHS: tuple[ArchRules, ...] = (
         blocks=(r"^context_refiner\.(\d+)\.", r"^noise_refiner\.(\d+)\.", r"^layers\.(\d+)\."),
         quantize=(r"\.attention\.(qkv|out)$", r"\.feed_forward\.w[123]$"),
         skip=(_MOD,),
+    ),
+    ArchRules(
+        name="omnigen2",     # context refiners, noise refiners, reference-image refiners (with references), layers
+        detect=(r"^ref_image_refiner\.\d+\.", r"^layers\.\d+\.attn\.to_q\.weight$"),
+        blocks=(r"^context_refiner\.(\d+)\.", r"^noise_refiner\.(\d+)\.", r"^ref_image_refiner\.(\d+)\.",
+                r"^layers\.(\d+)\."),
+        quantize=(r"\.attn\.(to_q|to_k|to_v|to_out\.0)$", r"\.feed_forward\.linear_[123]$"),
+        skip=(_MOD,),        # norm1.linear: the adaLN projection
     ),
     ArchRules(
         name="sdxl_unet",

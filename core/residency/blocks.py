@@ -15,7 +15,7 @@ from torch import nn
 from . import subclass
 
 # (architecture, block containers in execution order). The first entry whose containers all
-# exist wins, so more specific layouts come first.
+# exist wins, so more specific layouts come first. A container may sit in a submodule (a dotted path).
 _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sdxl_unet", ("input_blocks", "middle_block", "output_blocks")),
     ("hidream", ("double_stream_blocks", "single_stream_blocks")),
@@ -24,6 +24,10 @@ _LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("auraflow", ("double_layers", "single_layers")),
     ("kandinsky5", ("text_transformer_blocks", "visual_transformer_blocks")),   # text encoder blocks run first
     ("ltxv_qwen", ("transformer_blocks",)),                  # LTXV, Qwen-Image, diffusers DiTs
+    # Krea 2: the text-fusion transformer (layer-wise blocks, a projector, refiner blocks) runs before the blocks
+    ("krea2", ("txtfusion.layerwise_blocks", "txtfusion.refiner_blocks", "blocks")),
+    # HiDream-O1: the Qwen3-VL decoder's layers (its vision tower runs only on reference images, once per prompt)
+    ("hidream_o1", ("language_model.layers",)),
     ("wan", ("blocks",)),
     ("lumina", ("context_refiner", "noise_refiner", "layers")),   # Lumina 2, Z-Image (refiners run first)
     ("lumina", ("layers",)),
@@ -100,7 +104,9 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, str]:
 
 
 def _container_items(root: nn.Module, attr: str) -> list[tuple[str, nn.Module]] | None:
-    child = getattr(root, attr, None)
+    child = root
+    for part in attr.split("."):      # a dotted path reaches a container inside a submodule
+        child = getattr(child, part, None)
     if isinstance(child, nn.Module) and attr == "middle_block":
         return [(attr, child)]     # the SDXL middle block is one block (its layers run as one unit)
     if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:

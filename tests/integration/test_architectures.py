@@ -62,8 +62,8 @@ ARCH = {"sdxl": "sdxl_unet", "flux": "flux", "chroma": "flux", "hunyuan_video": 
         "ltxv": "ltxv_qwen", "ltxav": "ltxv_qwen", "qwen_image": "ltxv_qwen", "lumina2": "lumina", "zimage": "lumina", "hidream": "hidream",
         "flux2": "flux", "hunyuan_video15": "flux", "hunyuan_image21": "flux", "wan22_5b": "wan", "chroma_radiance": "flux",
         "kandinsky5": "kandinsky5", "kandinsky5_image": "kandinsky5", "longcat_image": "flux", "ernie_image": "lumina",
-        "krea2": "wan", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
-        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback"}
+        "krea2": "krea2", "mage_flow": "ltxv_qwen", "omnigen2": "lumina", "auraflow": "auraflow", "pixart_sigma": "wan",
+        "cogvideox": "wan", "cosmos_predict2": "wan", "joyimage": "fallback", "anima": "wan", "ideogram4": "lumina", "hidream_o1": "hidream_o1"}
 
 
 @pytest.mark.parametrize("cfg, groups", [(2.0, 1), (1.0, 2)])
@@ -96,7 +96,18 @@ def test_blocks_are_found_in_the_order_the_model_runs_them(comfy_env, tiny):
     assert ran == list(range(len(layout.blocks))), [layout.blocks[b][0] for b in ran]
 
 
-def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny):
+# architectures whose QuantizeDiT quality check cannot yet be driven (strict: the test fails once it can)
+QUALITY_CHECK_GAPS = {"ideogram4": "bridge/quant.py finds no text-context width: Ideogram 4's is unet_config "
+                                   "llm_features_dim (its llm_cond_proj's in_features), in neither _CONTEXT_KEYS nor "
+                                   "_CONTEXT_LAYERS",
+                      "hidream_o1": "bridge/quant.py cannot drive HiDream-O1: its conditioning is the prompt's token "
+                                    "ids (text_input_ids, from which extra_conds builds input_ids, position_ids and "
+                                    "ar_len), not a context tensor of some width"}
+
+
+def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny, request):
+    if tiny.name in QUALITY_CHECK_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=QUALITY_CHECK_GAPS[tiny.name]))
     model = tiny.load()
     ref = tiny.sample(model)
     quantized, qreport = _result(_node(comfy_env, "LeversQuantizeDiT").execute(model, format="fp8_e4m3fn"))[:2]
@@ -106,6 +117,35 @@ def test_after_quantize_dit_fp8_streams_bit_identical(comfy_env, tiny):
     clone, _, state = _prefetch(comfy_env, quantized)
     assert torch.equal(tiny.sample(clone), qref)
     _assert_streamed_every_byte(state, ARCH[tiny.name])
+
+
+# lists the census counts as blocks that the model runs only with inputs the sweep does not give (so they do not
+# stream): OmniGen2's reference-image refiners run only when there are reference images
+CENSUS_ONLY = {"omnigen2": ("ref_image_refiner.",)}
+
+
+def test_census_numbers_the_blocks_group_prefetch_streams(comfy_env, tiny):
+    """QuantizeDiT's census and GroupPrefetch must agree on the blocks and their order: keep_first_blocks /
+    keep_last_blocks count in the census's order, and a block the census does not see is never quantized (Krea 2's
+    text-fusion blocks streamed, but the generic census took only ``blocks`` and left them in bf16; OmniGen2's
+    generic census counted its noise refiners before the context refiners the model runs first)."""
+    from comfyui_levers.core.quant import census
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    dm = tiny.load().model.diffusion_model
+    names = [n for n, _ in find_blocks(dm).blocks]
+    c = census(dm.state_dict())
+    ordinals: dict[int, set] = {i: set() for i in range(len(names))}
+    for e in c.entries:
+        streamed = [i for i, n in enumerate(names) if e.key.startswith(f"{n}.")]
+        if streamed:
+            ordinals[streamed[0]].add(e.block)
+        elif not e.key.startswith(CENSUS_ONLY.get(tiny.name, ())):
+            assert e.block is None, (c.arch, e.key, e.block)
+    assert all(len(o) == 1 and None not in o for o in ordinals.values()), (c.arch, ordinals)
+    order = [next(iter(ordinals[i])) for i in range(len(names))]
+    assert order == sorted(order), (c.arch, list(zip(names, order)))
+    assert c.quantized, c.format_text()
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])

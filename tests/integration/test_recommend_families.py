@@ -72,6 +72,7 @@ CASES = {
     "zimage": (_tiny(tiny_dits.tiny_zimage), "lumina", "z-image"),
     "lumina2": (_tiny(tiny_dits.tiny_lumina2), "lumina", "z-image"),
     "hidream": (_tiny(tiny_dits.tiny_hidream), "hidream", "hidream-i1"),
+    "hidream_o1": (_tiny(tiny_dits.tiny_hidream_o1), "hidream", "hunyuanimage-2.1"),
     "ltxav": (_tiny(tiny_dits.tiny_ltxav), "ltxv", "ltx-2"),
     "ltxv": (_tiny(tiny_dits.tiny_ltxv), "ltxv", "ltxv"),
 }
@@ -132,3 +133,16 @@ def test_planned_video_tokens_are_the_models_real_sequence(comfy_env, case, node
     assert spec.image_tokens(w, h, f) == real
     assert w // latent.shape[-1] == spec.vae_spatial == 16      # the VAE factor of ComfyUI's own latent
     assert real == {"hunyuan_video_15": 31 * 45 * 80, "wan22_5b": 31 * 22 * 40}[case]
+
+
+def test_hidream_o1_plans_its_own_pixel_patch_tokens(comfy_env):
+    """HiDream-O1 (``comfy.ldm.hidream_o1``) denoises RGB pixels in 32x32 patches: 1024 x 1024 is 32 x 32 = 1,024
+    image tokens. The fragment "hidream" gave it HiDream-I1's geometry (8x VAE, patch 2): 4,096."""
+    from comfyui_levers.bridge.recommend import measure
+
+    model = CASES["hidream_o1"][0]()
+    dm = model.model.diffusion_model
+    spec, _ = measure(model=model)
+    assert model.model.latent_format.latent_channels == 3 and dm.patch_size == 32    # pixel space, 32 px patches
+    assert spec.image_tokens(1024, 1024) == (1024 // dm.patch_size) ** 2 == 1024
+    assert spec.tokens(1024, 1024) > spec.image_tokens(1024, 1024)        # the prompt is in the same sequence

@@ -26,6 +26,9 @@ class TinyDiT:
     def sample(self, model, steps: int = 2, cfg: float = 2.0, seed: int = 0):
         import nodes
 
+        # HiDream-O1 keeps the prompt prefix's K/V across samplings (ComfyUI never clears it): a second run starts
+        # from the cache and differs from the first in the last bits. Every sample here starts cold.
+        getattr(model.model.diffusion_model, "clear_kv_cache", lambda: None)()
         return nodes.common_ksampler(model, seed, steps, cfg, "euler", "simple", self.pos, self.neg,
                                      self.latent)[0]["samples"]
 
@@ -411,6 +414,80 @@ def tiny_cosmos_predict2() -> TinyDiT | None:
     return _tiny_from_config("cosmos_predict2", "CosmosT2IPredict2", config, (1, 16, 1, 8, 8), pos, neg)
 
 
+def tiny_anima() -> TinyDiT | None:
+    """Anima: Cosmos-Predict2 blocks (3 of width 64) behind ComfyUI's ``LLMAdapter``, which maps Qwen3 0.6B states
+    and T5 token ids to the cross-attention context (in the model's ``extra_conds`` under inference mode, in its
+    forward otherwise, as here). ``Anima()`` builds the adapter at its released size (6 blocks of width 1024 and a
+    32128-token embedding, ~134 M weights: 5 s a load here), so it is rebuilt at width 64 with 2 blocks through the
+    same class's own arguments before the weights are filled. Context: 8 states of 64 plus T5 ids and weights."""
+    cls = _model_class("Anima")
+    if cls is None:
+        return None
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.ops
+    from comfy.ldm.anima.model import LLMAdapter
+
+    config = dict(image_model="anima", max_img_h=240, max_img_w=240, max_frames=128, in_channels=16,
+                  out_channels=16, patch_spatial=2, patch_temporal=1, model_channels=64, concat_padding_mask=True,
+                  crossattn_emb_channels=64, pos_emb_cls="rope3d", pos_emb_learnable=True,
+                  pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=16,
+                  num_blocks=3, num_heads=2, extra_per_block_abs_pos_emb=False, rope_h_extrapolation_ratio=4.0,
+                  rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0, extra_h_extrapolation_ratio=1.0,
+                  extra_w_extrapolation_ratio=1.0, extra_t_extrapolation_ratio=1.0, rope_enable_fps_modulation=False)
+
+    def load():
+        mc = cls(config)
+        mc.set_inference_dtype(torch.float32, None)
+        model = mc.get_model({})
+        dm = model.diffusion_model
+        ops = comfy.ops.pick_operations(None, model.manual_cast_dtype)
+        dm.llm_adapter = LLMAdapter(source_dim=64, target_dim=64, model_dim=64, num_layers=2, num_heads=2,
+                                    dtype=torch.float32, operations=ops)
+        dm.load_state_dict(fill_random_({k: torch.empty(v.shape) for k, v in dm.state_dict().items()}, 0))
+        return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                                offload_device=mm.unet_offload_device())
+    ids = torch.tensor([5, 17, 301, 4000, 12, 9, 1, 0], dtype=torch.int)
+    pos, neg = (_cond((1, 8, 64), seed, t5xxl_ids=ids, t5xxl_weights=torch.ones(8)) for seed in (1, 2))
+    return TinyDiT("anima", load, pos, neg, {"samples": torch.zeros(1, 16, 1, 8, 8)})
+
+
+def tiny_ideogram4() -> TinyDiT | None:
+    """Ideogram 4: single-stream layers over a packed [text, image] sequence, FLUX.2 latent (128 channels, patch 2
+    inside the model's token packing). ComfyUI's config class fixes the released widths in ``unet_extra_config``
+    (18 heads of 256, MLP 12288, 53248-wide LLM features), which override any config, so a test subclass carries
+    tiny ones: 3 layers of width 128 (2 heads of 64), LLM features 64."""
+    cls = _model_class("Ideogram4")
+    if cls is None:
+        return None
+    extra = dict(cls.unet_extra_config, num_attention_heads=2, attention_head_dim=64, intermediate_size=256,
+                 adaln_dim=32, llm_features_dim=64, mrope_section=[6, 5, 5])
+    tiny = type("TinyIdeogram4", (cls,), {"unet_extra_config": extra})
+    pos, neg = _conds(8, 64, 1)
+    return TinyDiT("ideogram4", lambda: _patcher_from_config(tiny, {"image_model": "ideogram4", "in_channels": 128,
+                                                                    "num_layers": 3}, seed=0),
+                   pos, neg, {"samples": torch.zeros(1, 128, 4, 4)})
+
+
+def tiny_hidream_o1() -> TinyDiT | None:
+    """HiDream-O1-Image: a Qwen3-VL decoder (``language_model.layers``) over the prompt's token ids and 32x32 RGB
+    patches (pixel space, no VAE), plus a vision tower for reference images (idle without them). Sizes through the
+    class's own ``text_config_overrides`` / ``vision_config_overrides``: 4 decoder layers of width 64 (2 heads and
+    1 KV head of 32), vision width 32 with 2 blocks. The vocabulary keeps its released size: the prompt template's
+    special tokens (``<|tms|>`` = 151673) index it. Conditioning: the pass-through text encoder's token ids."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, rope_dims=[6, 5, 5])
+    vision = dict(hidden_size=32, num_heads=2, intermediate_size=64, depth=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=())
+    config = {"image_model": "hidream_o1", "text_config_overrides": text, "vision_config_overrides": vision}
+
+    def cond(words):
+        ids = torch.tensor([[151644, 872, 198, *words, 151645, 198, 151644, 77091, 198, 151669, 151673]])
+        return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    return _tiny_from_config("hidream_o1", "HiDreamO1", config, (1, 3, 64, 64), cond([1000, 2000, 3000]),
+                             cond([1001, 17]))
+
+
 def tiny_joyimage() -> TinyDiT | None:
     """JoyImage (HunyuanVideo-style dual-stream blocks on Wan latents), 3 layers of width 128 (1 head of 128)."""
     config = dict(image_model="joyimage", patch_size=[1, 2, 2], in_channels=16, out_channels=16, hidden_size=128,
@@ -427,7 +504,8 @@ BUILDERS = {"sdxl": tiny_sdxl, "flux": tiny_flux, "chroma": tiny_chroma, "hunyua
             "kandinsky5": tiny_kandinsky5, "kandinsky5_image": tiny_kandinsky5_image, "longcat_image": tiny_longcat_image,
             "ernie_image": tiny_ernie_image, "krea2": tiny_krea2, "mage_flow": tiny_mage_flow, "omnigen2": tiny_omnigen2,
             "auraflow": tiny_auraflow, "pixart_sigma": tiny_pixart_sigma, "cogvideox": tiny_cogvideox,
-            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage}
+            "cosmos_predict2": tiny_cosmos_predict2, "joyimage": tiny_joyimage, "anima": tiny_anima,
+            "ideogram4": tiny_ideogram4, "hidream_o1": tiny_hidream_o1}
 
 
 def tiny_stable_cascade_c() -> TinyDiT:
