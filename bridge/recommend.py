@@ -199,6 +199,8 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
     if model_2 is not None:
         upd, more = _second_expert(model, model_2, spec, family, upd, dit_bytes)
         notes.extend(more)
+    if model is not None:
+        upd.update(_token_geometry(model))
     if clip is not None:
         params, nbytes, _ = _param_stats(clip.cond_stage_model)
         upd.update(te_params=float(params), te_dtype_bytes=max(1, round(nbytes / max(1, params))))
@@ -213,6 +215,27 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
             upd["vae_spatial"] = ratio[1]
         notes.append(f"VAE measured: {params / 1e6:.1f} M params")
     return dataclasses.replace(spec, **upd), notes
+
+
+def _token_geometry(model) -> dict:
+    """The diffusion model's own patch (``patch_size``: 2, [1, 2, 2], 16 for Chroma Radiance's pixels, 32 for
+    HiDream-O1's), and for a pixel-space model (a 3-channel latent) a VAE factor of 1, so that pixels per token
+    (``vae_spatial * patch``) are the model's, whichever preset lends the rest of the geometry. Nothing when the
+    model names no patch (the SDXL UNet)."""
+    cfg = getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
+    p = cfg.get("patch_size", getattr(model.model.diffusion_model, "patch_size", None))
+    if isinstance(p, int) and not isinstance(p, bool):
+        spatial, temporal = p, 1
+    elif isinstance(p, (list, tuple)) and 1 <= len(p) <= 3 and all(isinstance(v, int) for v in p):
+        spatial, temporal = p[-1], (p[0] if len(p) == 3 else 1)
+    else:
+        return {}
+    if spatial <= 0 or temporal <= 0:
+        return {}
+    upd = {"patch": spatial, "patch_t": temporal}
+    if getattr(getattr(model.model, "latent_format", None), "latent_channels", None) == 3:
+        upd["vae_spatial"] = 1                 # pixel space: the "VAE" passes pixels through
+    return upd
 
 
 def _measure_dit(model, spec: ModelSpec, family: str | None) -> tuple[dict, list[str], int]:

@@ -88,8 +88,11 @@ def test_a_connected_model_gets_its_own_preset_geometry(comfy_env, case):
     assert f"model family detected: {family} (preset {preset} supplies" in "\n".join(notes), notes
     ref = get_preset(preset)
     assert spec.family == family and spec.name.startswith(preset + " (measured")
-    geometry = ("latent_channels", "vae_spatial", "vae_temporal", "patch", "patch_t", "vae_bytes_per_px", "is_video")
+    geometry = ("latent_channels", "vae_temporal", "patch_t", "vae_bytes_per_px", "is_video")
     assert {k: getattr(spec, k) for k in geometry} == {k: getattr(ref, k) for k in geometry}
+    # pixels per token: the model's own patch times the VAE's factor (HiDream-O1: 32 px patches on pixels, where
+    # the preset lends a 32x VAE and patch 1)
+    assert spec.vae_spatial * spec.patch == ref.vae_spatial * ref.patch
 
 
 def _latent(node_module: str, node: str, *args):
@@ -146,3 +149,22 @@ def test_hidream_o1_plans_its_own_pixel_patch_tokens(comfy_env):
     assert model.model.latent_format.latent_channels == 3 and dm.patch_size == 32    # pixel space, 32 px patches
     assert spec.image_tokens(1024, 1024) == (1024 // dm.patch_size) ** 2 == 1024
     assert spec.tokens(1024, 1024) > spec.image_tokens(1024, 1024)        # the prompt is in the same sequence
+
+
+def test_a_pixel_space_model_plans_its_own_patches_with_its_vae_connected(comfy_env):
+    """Chroma Radiance denoises pixels in 16 px patches; its "VAE" passes pixels through (upscale_ratio 1). Found in
+    review: with that VAE connected, Recommend took its factor 1 with the Chroma preset's patch 2, planning one
+    token per 2 x 2 pixels (64x the tokens). The model's own patch is read now: 1024 x 1024 is 64 x 64 tokens."""
+    import comfy.sd
+
+    from comfyui_levers.bridge.recommend import measure
+
+    tiny = tiny_dits.tiny_chroma_radiance()
+    if tiny is None:
+        pytest.skip("this ComfyUI has no Chroma Radiance")
+    model = tiny.load()
+    vae = comfy.sd.VAE(sd={"pixel_space_vae": torch.tensor(1.0)})
+    assert vae.upscale_ratio == 1 and model.model.diffusion_model.patch_size == 16
+    for connected in (None, vae):
+        spec, _ = measure(model=model, vae=connected)
+        assert spec.image_tokens(1024, 1024) == 64 * 64, (spec.vae_spatial, spec.patch)
