@@ -338,8 +338,8 @@ def choose_modulation(modulation: str, plan, notes: list[str]) -> bool:
 # context width of the text conditioning, by the unet_config key each architecture family uses
 _CONTEXT_KEYS = ("context_dim", "text_dim", "context_in_dim", "joint_attention_dim", "text_states_dim", "cap_feat_dim",
                  "context_embedder_config", "in_text_dim", "text_in_dim", "cond_seq_dim", "text_embed_dim",
-                 "crossattn_emb_channels", "text_feat_dim")
-# ... the last six: Kandinsky 5, ERNIE-Image, AuraFlow, CogVideoX, Cosmos-Predict2, OmniGen2
+                 "crossattn_emb_channels", "text_feat_dim", "llm_features_dim")
+# ... the last seven: Kandinsky 5, ERNIE-Image, AuraFlow, CogVideoX, Cosmos-Predict2, OmniGen2, Ideogram 4
 QUALITY_BAR_DB = 35.0  # the bar for fp8 and int8 (invisible on real models); nf4 is reported against it
 
 

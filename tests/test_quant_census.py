@@ -511,3 +511,17 @@ def test_hidream_o1_decoder_layers_quantize_vision_tower_stays():
     assert {e.key for e in c.quantized} == {key for key in k if key.startswith(("language_model.layers.0.",
                                                                                 "language_model.layers.1."))
                                             and "_proj" in key}
+
+
+def test_z_image_modulation_is_a_modulation_linear():
+    """Z-Image's blocks hold ``adaLN_modulation.0`` (a Sequential of one Linear; Lumina 2's is ``.1``, after a SiLU).
+    Found in review: it was not matched as modulation, so it was quantized as a block linear by default, and kept
+    under ``quantize_modulation`` accounting where the planner counts it as modulation."""
+    keys = {k.replace("adaLN_modulation.1.", "adaLN_modulation.0.") if not k.startswith("final_layer") else k: v
+            for k, v in lumina_keys().items()}
+    mod = "layers.1.adaLN_modulation.0.weight"
+    plain = census(keys, config=QuantConfig("fp8_e4m3fn"))
+    assert plain.arch == "lumina" and not plain.should_quantize(mod)
+    assert "modulation" in {e.key: e.reason for e in plain.kept}[mod]
+    qmod = census(keys, config=QuantConfig("fp8_e4m3fn", quantize_modulation=True))
+    assert qmod.should_quantize(mod) and _q(qmod) - _q(plain) == {k for k in keys if "adaLN_modulation.0" in k}

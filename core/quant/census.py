@@ -39,7 +39,7 @@ class ArchRules:
 
 
 _MOD = ("(^|\\.)(img_mod|txt_mod|modulation|adaLN_modulation|norm1_context|norm1|modC|modX|modCX|"
-        "text_modulation|visual_modulation)\\.(lin|linear|1|out_layer)$",   # ..., AuraFlow, Kandinsky 5
+        "text_modulation|visual_modulation)\\.(lin|linear|0|1|out_layer)$",   # ..., AuraFlow, Kandinsky 5, Z-Image
         "adaLN / modulation linear (scales every activation)")
 _EMB = ("(^|\\.)(emb_layers|time_emb|time_embedding|t_embedder)(\\.|$)", "time-embedding projection")
 

@@ -97,10 +97,7 @@ def test_blocks_are_found_in_the_order_the_model_runs_them(comfy_env, tiny):
 
 
 # architectures whose QuantizeDiT quality check cannot yet be driven (strict: the test fails once it can)
-QUALITY_CHECK_GAPS = {"ideogram4": "bridge/quant.py finds no text-context width: Ideogram 4's is unet_config "
-                                   "llm_features_dim (its llm_cond_proj's in_features), in neither _CONTEXT_KEYS nor "
-                                   "_CONTEXT_LAYERS",
-                      "hidream_o1": "bridge/quant.py cannot drive HiDream-O1: its conditioning is the prompt's token "
+QUALITY_CHECK_GAPS = {"hidream_o1": "bridge/quant.py cannot drive HiDream-O1: its conditioning is the prompt's token "
                                     "ids (text_input_ids, from which extra_conds builds input_ids, position_ids and "
                                     "ar_len), not a context tensor of some width"}
 
