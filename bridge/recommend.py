@@ -139,10 +139,15 @@ def _family(model) -> tuple[str, str]:
     return "custom", "flux1-dev"
 
 
+def _unet_config(model) -> dict:
+    """The diffusion model's config as ComfyUI detected it (empty when the model carries none)."""
+    return getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
+
+
 def _latent_channels(model) -> int | None:
     """Channels of the latent the diffusion model denoises: its config's ``out_dim`` (Wan), else the latent
     format's."""
-    config = getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
+    config = _unet_config(model)
     if isinstance(config.get("out_dim"), int):
         return config["out_dim"]
     channels = getattr(getattr(model.model, "latent_format", None), "latent_channels", None)
@@ -222,8 +227,7 @@ def _token_geometry(model) -> dict:
     HiDream-O1's), and for a pixel-space model (a 3-channel latent) a VAE factor of 1, so that pixels per token
     (``vae_spatial * patch``) are the model's, whichever preset lends the rest of the geometry. Nothing when the
     model names no patch (the SDXL UNet)."""
-    cfg = getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
-    p = cfg.get("patch_size", getattr(model.model.diffusion_model, "patch_size", None))
+    p = _unet_config(model).get("patch_size", getattr(model.model.diffusion_model, "patch_size", None))
     if isinstance(p, int) and not isinstance(p, bool):
         spatial, temporal = p, 1
     elif isinstance(p, (list, tuple)) and 1 <= len(p) <= 3 and all(isinstance(v, int) for v in p):

@@ -125,7 +125,7 @@ def test_cuda_read_only_weights_are_copied_then_pinned_and_a_failed_register_lea
 
     import numpy as np
 
-    from comfyui_levers.core.residency.transport import HostMaps, discard_pending_cuda_error
+    from comfyui_levers.core.residency.transport import HostMaps, cuda_code, discard_pending_cuda_error
 
     plain = _model().cuda()
     x = torch.randn(8, 256, device="cuda")
@@ -141,7 +141,7 @@ def test_cuda_read_only_weights_are_copied_then_pinned_and_a_failed_register_lea
     assert HostMaps.read().writable(ro.data_ptr(), ro.nbytes) is False
     # the driver on a read-only range, directly (the engine never does this)
     err = torch.cuda.cudart().cudaHostRegister(ro.data_ptr(), ro.nbytes, 1)
-    code = int(err.value) if hasattr(err, "value") else int(err)
+    code = cuda_code(err)
     if code == 0:
         torch.cuda.cudart().cudaHostUnregister(ro.data_ptr())
     else:

@@ -679,10 +679,10 @@ class MasterTable:
         for name, owner, attr, is_param, t in _named_tensor_slots(self.root):
             w = self.wrapped.get(name)
             if w is not None and t is w.host:
-                if id(t) not in rebuilt:
-                    leaves = [(path, moved(x)) for path, x in w.leaves]
-                    leaves = [(path, x if x is not None else old) for (path, x), (_, old) in zip(leaves, w.leaves)]
-                    changed = any(x is not old for (_, x), (_, old) in zip(leaves, w.leaves))
+                if id(t) not in rebuilt:                # tied twins share the one rebuilt wrapper
+                    moves = [(path, x, moved(x)) for path, x in w.leaves]
+                    leaves = [(path, x if new is None else new) for path, x, new in moves]
+                    changed = any(new is not None for *_, new in moves)
                     rebuilt[id(t)] = (leaves, subclass.rebuild(t, dict(leaves))) if changed else None
                 if rebuilt[id(t)] is not None:
                     w.leaves, w.host = rebuilt[id(t)]
@@ -693,9 +693,8 @@ class MasterTable:
                     and t.data_ptr() == m.host.data_ptr() and _real_shape(t) == m.host.shape):
                 new = moved(m.host)
                 if new is not None:
-                    rebind(t, new)
-                    m.host = new
-        for m in self.masters.values():                 # masters whose slot holds a device copy right now
+                    rebind(t, new)                      # the module's tensor, still bound to its master
+        for m in self.masters.values():                 # then the masters (one whose slot is on the device too)
             new = moved(m.host)
             if new is not None:
                 m.host = new

@@ -262,7 +262,7 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)  # 1 = portable: pinned for every device, as ComfyUI does
     except (RuntimeError, AttributeError, TypeError) as exc:  # cudart missing or refused
         return PinResult(False, f"cudaHostRegister unavailable: {exc}", nbytes)
-    code = int(err.value) if hasattr(err, "value") else int(err)
+    code = cuda_code(err)
     if code != 0:
         discard_pending_cuda_error()
         return PinResult(False, f"cudaHostRegister failed with CUDA error {code} (page-locked limit reached?)", nbytes)
@@ -274,9 +274,14 @@ def unpin_in_place(t: torch.Tensor) -> None:
     ptr = t.data_ptr()
     if ptr in _REGISTERED and torch.cuda.is_available():
         err = torch.cuda.cudart().cudaHostUnregister(ptr)
-        if (int(err.value) if hasattr(err, "value") else int(err)) != 0:
+        if cuda_code(err) != 0:
             discard_pending_cuda_error()
         _REGISTERED.pop(ptr, None)
+
+
+def cuda_code(err) -> int:
+    """The number in a cudart binding's return (an enum with ``.value``, or a plain int)."""
+    return int(err.value) if hasattr(err, "value") else int(err)
 
 
 def discard_pending_cuda_error() -> None:
