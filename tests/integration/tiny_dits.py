@@ -43,12 +43,33 @@ def _conds(tokens: int, width: int, seed: int, **extra):
     return _cond((1, tokens, width), seed, **extra), _cond((1, tokens, width), seed + 1, **extra)
 
 
+# Options newer ComfyUI releases added to a model's constructor, with the value that reproduces what an older
+# release (0.3.64) does without them. A builder that passes one of these at that value runs on the older release
+# with the option left out; any other rejected keyword is a real error.
+_NEWER_OPTIONS = {"txt_ids_dims": [], "vec_in_dim": None, "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False,
+                  "rope_theta": 10000.0, "use_x0": False, "use_sequential_txt_ids": False}
+
+
+def _build(make, config: dict):
+    """``make(config)``, leaving out the newer-release options this ComfyUI's constructor rejects."""
+    config = dict(config)
+    while True:
+        try:
+            return make(config)
+        except TypeError as e:
+            key = next((k for k in _NEWER_OPTIONS if f"unexpected keyword argument '{k}'" in str(e)), None)
+            if key is None or key not in config or config[key] != _NEWER_OPTIONS[key]:
+                raise
+            del config[key]
+
+
 def _loaded(cls, seed: int, **kwargs):
     """A random state dict of ComfyUI class ``cls`` (built on the meta device), through ComfyUI's loader."""
     import comfy.ops
     import comfy.sd
 
-    m = cls(operations=comfy.ops.disable_weight_init, device="meta", dtype=torch.float32, **kwargs)
+    m = _build(lambda kw: cls(operations=comfy.ops.disable_weight_init, device="meta", dtype=torch.float32, **kw),
+               kwargs)
     sd = fill_random_({k: torch.empty(v.shape) for k, v in m.state_dict().items()}, seed)
     return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
 
@@ -57,9 +78,11 @@ def _patcher_from_config(config_cls, unet_config: dict, seed: int):
     import comfy.model_management as mm
     import comfy.model_patcher
 
-    mc = config_cls(unet_config)
-    mc.set_inference_dtype(torch.float32, None)
-    model = mc.get_model({})
+    def make(config):
+        mc = config_cls(config)
+        mc.set_inference_dtype(torch.float32, None)
+        return mc.get_model({})
+    model = _build(make, unet_config)
     shapes = {k: torch.empty(v.shape) for k, v in model.diffusion_model.state_dict().items()}
     model.diffusion_model.load_state_dict(fill_random_(shapes, seed))
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
@@ -200,7 +223,8 @@ def tiny_lumina2() -> TinyDiT:
     """Lumina 2 (NextDiT): 2 context refiners, 2 noise refiners, then 3 layers, width 128."""
     import comfy.supported_models as sm
 
-    pos, neg = _conds(8, 64, 1)
+    # Lumina 2's text encoder hands its attention mask on; ComfyUI 0.3.64 reads the token count from it
+    pos, neg = _conds(8, 64, 1, attention_mask=torch.ones(1, 8, dtype=torch.long))
     return TinyDiT("lumina2", lambda: _patcher_from_config(sm.Lumina2, _lumina_config(False), seed=0), pos, neg,
                    {"samples": torch.zeros(1, 16, 8, 8)})
 
@@ -300,12 +324,6 @@ def tiny_chroma_radiance() -> TinyDiT | None:
                   vec_in_dim=None, nerf_hidden_size=16, nerf_mlp_ratio=2, nerf_depth=2, nerf_max_freqs=4,
                   nerf_tile_size=0, nerf_final_head_type="conv", nerf_embedder_dtype=torch.float32, use_x0=False,
                   use_sequential_txt_ids=False)
-    if _model_class("ChromaRadiance") is not None:   # older releases lack the newest options
-        from comfy.ldm.chroma_radiance.model import ChromaRadianceParams
-
-        for key in ("use_x0", "use_sequential_txt_ids"):
-            if key not in ChromaRadianceParams.__dataclass_fields__:
-                del config[key]
     pos, neg = _conds(8, 64, 1, pooled_output=None)
     return _tiny_from_config("chroma_radiance", "ChromaRadiance", config, (1, 3, 32, 32), pos, neg)
 

@@ -47,12 +47,25 @@ def tiny_wan_dit_state_dict(dim: int = 256, ffn_dim: int = 512, num_layers: int 
     return fill_random_(shapes, seed)
 
 
-def tiny_wan_vae_state_dict(dim: int = 16, seed: int = 1) -> dict:
-    """A Wan 2.1 VAE at small width; VAELoader reads dim from decoder.head.0.gamma."""
+def wan_vae_loader_reads_width() -> bool:
+    """Whether this ComfyUI's VAE loader reads a Wan 2.1 VAE's width from ``decoder.head.0.gamma`` (0.3.7x on);
+    0.3.64 builds every Wan 2.1 VAE at the released width, 96."""
+    import inspect
+
+    import comfy.sd
+
+    return "decoder.head.0.gamma" in inspect.getsource(comfy.sd.VAE.__init__)
+
+
+def tiny_wan_vae_state_dict(dim: int | None = None, seed: int = 1) -> dict:
+    """A Wan 2.1 VAE, width 16 where VAELoader reads the width, else the released 96 (four convolutions of 384
+    channels at the middle: a few seconds a decode on a CPU, still random weights)."""
     import inspect
 
     import comfy.ldm.wan.vae as wanvae
 
+    if dim is None:
+        dim = 16 if wan_vae_loader_reads_width() else 96
     kwargs = dict(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)
     if "image_channels" in inspect.signature(wanvae.WanVAE.__init__).parameters:
