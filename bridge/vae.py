@@ -115,8 +115,10 @@ def _describe(fsm, dec) -> tuple[StagedDecoder | None, str]:
                 return None, f"{type(dec).__name__} is a 3-D KL decoder with attention in its upsampling stages"
             return _kl(fsm, dec, video=True), (
                 "3-D KL decoder (HunyuanVideo): stages up to 1/4 of the output scale run whole (attention + their "
-                "GroupNorms), the rest tiled with statistics pooled over all tiles; time in the decoder's own "
-                "causal chunks")
+                "GroupNorms), the rest tiled with statistics pooled over all tiles; "
+                + ("time in the decoder's own causal chunks" if getattr(dec, "carried", False) else
+                   "every frame in one call (this ComfyUI's decoder carries no causal state between calls; "
+                   "0.3.7x and later decode in exact chunks)"))
         if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
             return None, f"{type(dec).__name__} has a conv_in Levers does not recognise"
         if any(len(dec.up[lv].attn) > 0 for lv in range(max(0, dec.num_resolutions - 2))):
@@ -218,8 +220,11 @@ def _kl(fsm, dec, video: bool = False, level: int | None = None) -> StagedDecode
         return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail)
     carried = bool(getattr(dec, "carried", False))
     stand_ins = {dec.conv_in: _unpad_carried} if carried else {}
+    # without carried convolutions (ComfyUI 0.3.64) the decoder takes every frame in one call: so does each tile,
+    # and its cost grows with the frames
     return StagedDecoder(run=fsm.decode, stem=stem, boundary=boundary, tail=tail, stand_ins=stand_ins,
-                         stream_module=dec.conv_out if carried else None, own_chunk_frames=2 if carried else 0)
+                         stream_module=dec.conv_out if carried else None, own_chunk_frames=2 if carried else 0,
+                         whole_frames=not carried)
 
 
 def deeper_stems(vae, staged: StagedDecoder | None) -> list[tuple[StagedDecoder, str]]:
@@ -455,11 +460,12 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
 
     _, tail_m = measure_peak_bytes(tail, dev)
     tile_px = frame_px
-    # a decoder that runs all frames at once (LTX on 0.8) costs in proportion to the frames; one that chunks time
-    # itself (LTX on 0.33) costs about one chunk, which the probe's frames cover
+    # a decoder that runs all frames at once (LTX on 0.8, HunyuanVideo on 0.3.64) costs in proportion to the
+    # frames it outputs (its full-resolution activations dominate); one that chunks time itself (LTX on 0.33)
+    # costs about one chunk, which the probe's frames cover
     per_video = 1.0
-    if staged.whole_frames:
-        per_video = 1.0 if _chunks_time_itself(vae) else latent.shape[2] / probe.shape[2]
+    if staged.whole_frames and not _chunks_time_itself(vae):
+        per_video = _out_frames(vae, latent.shape[2]) / _out_frames(vae, probe.shape[2])
     cost = DecodeCost(whole_bytes_per_px=whole_bpp * per_video,
                       tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1 * per_video,   # +10%: blend + weights
                       stem_bytes_per_px=stem_m.peak_bytes / frame_px * per_video,
@@ -754,8 +760,8 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                 + "/".join(str(u.radius) for u in units[:1] + units[-1:]) + " frames at the first/last unit; the last "
                 f"output frame of a chunk waits for {stream_latency(units):.1f} latent frames after it)")
     if video and tsize and staged is not None and staged.whole_frames and not (plan.mode == "temporal" and units):
-        rep.add("temporal_size ignored: this decoder is not causal in time, so each tile decodes all frames in one "
-                "call" + (" (the decoder chunks time itself)" if _chunks_time_itself(vae) else ""))
+        rep.add("temporal_size ignored: this decoder carries no causal state between calls, so each tile decodes "
+                "all frames in one call" + (" (the decoder chunks time itself)" if _chunks_time_itself(vae) else ""))
     if video and settings.temporal_overlap:
         rep.add("temporal_overlap ignored: chunks " + ("stream each unit's context frames" if units else
                                                        "carry the causal cache") + ", so they need no overlap")
