@@ -103,6 +103,18 @@ def native_fp8_available() -> tuple[bool, str]:
     return True, "ComfyUI QuantizedTensor (TensorCoreFP8E4M3Layout)"
 
 
+def stock_loader_reads_comfy_fp8() -> tuple[bool, str]:
+    """(ok, why not): does this ComfyUI's stock UNETLoader read ComfyUI's fp8 layout (``.comfy_quant`` tags)?
+    Releases before ``comfy/quant_ops.py`` (0.3.64) load the fp8 codes without their scales, silently wrong."""
+    try:
+        import comfy.quant_ops  # noqa: F401
+    except ImportError:
+        return False, ("this ComfyUI's stock UNETLoader does not read it (no comfy/quant_ops.py: it would load the "
+                       "fp8 codes without their scales; 0.3.7x and later read it): load it with Load Quantized DiT "
+                       "(Levers), or update ComfyUI")
+    return True, "stock UNETLoader loads it"
+
+
 def _native_fp8_factory(patcher, compute_dtype):
     import comfy.model_management as mm
     import comfy.ops
@@ -528,6 +540,7 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
         text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
     if path is not None:
         save_quantized(new, path, config, report.arch)
-        loadable = "stock UNETLoader loads it" if qckpt.uses_comfy_layout(config) else "Levers layout (see docs/quantize.md)"
+        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(config)
+                    else "Levers layout: load it with Load Quantized DiT (Levers); see docs/quantize.md")
         text += f"\nsaved: {path} ({loadable})"
     return new, text

@@ -38,7 +38,8 @@ class LeversQuantizeDiT(io.ComfyNode):
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto."),
                 io.String.Input("save_path", default="", optional=True,
                                 tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
-                                        "per_tensor is ComfyUI's own layout (stock UNETLoader loads it). Never overwrites."),
+                                        "per_tensor is ComfyUI's own layout (stock UNETLoader loads it from ComfyUI 0.3.7x on; "
+                                        "Load Quantized DiT (Levers) reads every layout). Never overwrites."),
                 io.Boolean.Input("quality_check", default=True, optional=True,
                                  tooltip="Run the original and the quantized model once on a tiny random latent "
                                          "(same seed, noise and context) and report the PSNR of the quantized "

@@ -13,7 +13,8 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quantize", help="quantize a .safetensors diffusion model to fp8 / int8 / nf4 (streaming)",
         description="Quantize a diffusion-model .safetensors tensor by tensor. fp8 per_tensor writes ComfyUI's "
-                    "own layout (stock UNETLoader loads it); other formats write the Levers layout.")
+                    "own layout (stock UNETLoader loads it from ComfyUI 0.3.7x on); other formats write the Levers "
+                    "layout (Load Quantized DiT (Levers) reads both).")
     p.add_argument("input", metavar="IN", help="bf16/fp16/fp32 .safetensors (diffusion model or full checkpoint)")
     p.add_argument("output", metavar="OUT", help="output .safetensors (refused if it exists, unless --force)")
     p.add_argument("--format", required=True, choices=["fp8_e4m3fn", "fp8", "int8", "nf4"])
