@@ -249,12 +249,15 @@ def wan_dit_state_dict(sc: Scale, fill: Filler) -> dict[str, torch.Tensor]:
 
 
 def wan_vae_state_dict(sc: Scale, fill: Filler) -> dict[str, torch.Tensor]:
-    """A Wan 2.1 VAE at small width; VAELoader reads dim from decoder.head.0.gamma."""
+    """A Wan 2.1 VAE at small width; VAELoader reads dim from decoder.head.0.gamma (ComfyUI 0.3.64's loader fixes
+    the released width, 96: there, that width)."""
     import inspect
 
     import comfy.ldm.wan.vae as wanvae
+    import comfy.sd
 
-    kwargs = dict(dim=sc.vae_dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    dim = sc.vae_dim if "decoder.head.0.gamma" in inspect.getsource(comfy.sd.VAE.__init__) else 96
+    kwargs = dict(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)
     if "image_channels" in inspect.signature(wanvae.WanVAE.__init__).parameters:
         kwargs["image_channels"] = 3

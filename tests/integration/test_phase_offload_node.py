@@ -125,7 +125,9 @@ def test_comfyui_unload_is_a_pointer_swap(comfy_env, tiny_wan):
 def test_fp8_weights_move_by_object_and_offload_is_a_swap(comfy_env, tiny_wan):
     """QuantizeDiT fp8 (ComfyUI's QuantizedTensor, whose device is fixed when it is built): the load copies the
     fp8 codes and scales into a device wrapper that takes the weight's slot; the unload puts the module's own
-    wrapper back. Before, these weights were left to ComfyUI's own copy (device->host on every unload)."""
+    wrapper back. Before, these weights were left to ComfyUI's own copy (device->host on every unload). A ComfyUI
+    without QuantizedTensor (0.3.64) holds plain fp8 parameters and scales: they move like any other weight."""
+    from comfyui_levers.bridge.quant import native_fp8_available
     from comfyui_levers.core.residency.blocks import module_bytes
 
     quant = next(c for c in comfy_env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
@@ -137,7 +139,9 @@ def test_fp8_weights_move_by_object_and_offload_is_a_swap(comfy_env, tiny_wan):
     group = _group(m)
     own = {n: p for n, p in m.model.diffusion_model.named_parameters()}
     wrapped = {n for n, p in own.items() if type(p) is not torch.nn.Parameter}
-    assert wrapped, "QuantizeDiT's fp8 layers hold QuantizedTensor weights"
+    native = native_fp8_available()[0]
+    assert bool(wrapped) == native, "QuantizeDiT's fp8 layers hold QuantizedTensor weights where ComfyUI has them"
+    assert any(p.dtype == torch.float8_e4m3fn for p in own.values()) or native
     for _ in range(2):
         latent = tiny_wan.sample(m)
         assert torch.equal(latent["samples"], ref)
@@ -207,6 +211,7 @@ def _stand_in_clip(comfy_env, dtype=torch.float16):
     import comfy.sd
 
     module = nn.Sequential(nn.Linear(8, 8)).to(dtype)
+    module.manual_cast_dtype = None    # ComfyUI 0.3.64 sets the compute dtype as an object patch of an attribute
     clip = comfy.sd.CLIP(no_init=True)
     clip.cond_stage_model = module
     clip.patcher = comfy.model_patcher.ModelPatcher(module, load_device=torch.device("cpu"),
@@ -314,6 +319,18 @@ def ledger_out(comfy_env, tmp_path, monkeypatch):
     return tmp_path / "levers", fake.calls
 
 
+def _clone_with_unique_id(comfy_env, node_id: str):
+    """The node class as ComfyUI's executor hands it its hidden unique_id (0.8 on: {"hidden_inputs": ...};
+    0.3.64: keyed by ``io.Hidden``)."""
+    from comfy_api.latest import io
+
+    node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": node_id}})
+    if node.hidden.unique_id is None:
+        node = _node(comfy_env).PREPARE_CLASS_CLONE({io.Hidden.unique_id: node_id})
+    assert node.hidden.unique_id == node_id
+    return node
+
+
 def _weight_bytes(module) -> int:
     """Bytes of every parameter and buffer of ``module``, tied tensors once."""
     seen = {(t.data_ptr(), t.nbytes) for t in [*module.parameters(), *module.buffers()]}
@@ -355,7 +372,7 @@ def test_ledger_per_phase_reaches_the_node_json_and_python(comfy_env, tiny_wan, 
     model, vae = _host_offload(tiny_wan.load_model()), _host_offload_vae(tiny_wan.load_vae())
     comfy_env.mm.unload_all_models()
     dit_bytes, vae_bytes = _weight_bytes(model.model), _weight_bytes(vae.patcher.model)
-    node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "7"}})  # as ComfyUI's executor
+    node = _clone_with_unique_id(comfy_env, "7")
     m, _, v, report, _ = node.execute(model, None, vae).args
     assert "on this node" in report and str(folder / "phase_ledger-<prompt id>-node7.json") in report
     assert sent == [], "nothing ran yet"
@@ -432,7 +449,7 @@ def test_ledger_has_encode_sample_decode_in_order(comfy_env, tiny_wan, ledger_ou
     clip.patcher.offload_device = HOST
     model, vae = _host_offload(tiny_wan.load_model()), _host_offload_vae(tiny_wan.load_vae())
     comfy_env.mm.unload_all_models()
-    node = _node(comfy_env).PREPARE_CLASS_CLONE({"hidden_inputs": {"UNIQUE_ID": "4"}})
+    node = _clone_with_unique_id(comfy_env, "4")
     m, c, v, _, _ = node.execute(model, clip, vae).args
     sizes = {"text_encoder": _weight_bytes(c.cond_stage_model), "diffusion_model": _weight_bytes(m.model),
              "vae": _weight_bytes(v.patcher.model)}

@@ -16,9 +16,12 @@ def _patcher(class_name: str, config: dict):
     cls = getattr(sm, class_name, None)
     if cls is None:
         pytest.skip(f"this ComfyUI has no comfy.supported_models.{class_name}")
-    mc = cls(config)
-    mc.set_inference_dtype(torch.float32, None)
-    return comfy.model_patcher.ModelPatcher(mc.get_model({}), load_device=CPU, offload_device=CPU)
+    def make(config):
+        mc = cls(config)
+        mc.set_inference_dtype(torch.float32, None)
+        return mc.get_model({})
+    return comfy.model_patcher.ModelPatcher(tiny_dits.build_on_this_release(make, config), load_device=CPU,
+                                            offload_device=CPU)
 
 
 def tiny_flux2():

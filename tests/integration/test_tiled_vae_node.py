@@ -349,6 +349,9 @@ def hunyuan_vae(comfy_env):
 def test_hunyuan_temporal_chunks_are_its_own_calls_and_exact(comfy_env, request, name, label, latent_shape,
                                                             out_shape):
     vae = request.getfixturevalue(name)
+    if name == "hunyuan_vae" and not getattr(vae.first_stage_model.decoder, "carried", False):
+        pytest.skip("this ComfyUI's HunyuanVideo decoder takes every frame in one call (0.3.64): see "
+                    "test_hunyuan_decoder_without_carried_convolutions_decodes_all_frames_per_tile")
     latent = {"samples": smooth_latent(latent_shape, 9)}
     ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
     ours, report = run_node(comfy_env, latent, vae, temporal_size=8, memory_budget_gb=64)
@@ -402,7 +405,10 @@ def hunyuan15_vae(comfy_env):
               **{"decoder." + k: v for k, v in dec.state_dict().items()}}
     sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, seed=12)
     vae = vae_with_swapped_classes(refiner, {"Encoder": NarrowEncoder, "Decoder": NarrowDecoder}, sd)
-    assert vae.latent_channels == 32 and vae.upscale_ratio[-1] == 16
+    if vae.latent_channels != 32:
+        pytest.skip(f"this ComfyUI ({comfy_env.version}) reads this state dict as HunyuanImage 2.1's refiner VAE: "
+                    "it has no HunyuanVideo 1.5 VAE")
+    assert vae.upscale_ratio[-1] == 16
     assert type(vae.first_stage_model.decoder).__name__ == "NarrowDecoder"
     return vae
 

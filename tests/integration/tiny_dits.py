@@ -46,11 +46,11 @@ def _conds(tokens: int, width: int, seed: int, **extra):
 # Options newer ComfyUI releases added to a model's constructor, with the value that reproduces what an older
 # release (0.3.64) does without them. A builder that passes one of these at that value runs on the older release
 # with the option left out; any other rejected keyword is a real error.
-_NEWER_OPTIONS = {"txt_ids_dims": [], "vec_in_dim": None, "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False,
-                  "rope_theta": 10000.0, "use_x0": False, "use_sequential_txt_ids": False}
+_NEWER_OPTIONS = {"txt_ids_dims": [], "vec_in_dim": None, "use_cond_type_embedding": False, "vision_in_dim": None,
+                  "meanflow_sum": False, "rope_theta": 10000.0, "use_x0": False, "use_sequential_txt_ids": False}
 
 
-def _build(make, config: dict):
+def build_on_this_release(make, config: dict):
     """``make(config)``, leaving out the newer-release options this ComfyUI's constructor rejects."""
     config = dict(config)
     while True:
@@ -68,8 +68,8 @@ def _loaded(cls, seed: int, **kwargs):
     import comfy.ops
     import comfy.sd
 
-    m = _build(lambda kw: cls(operations=comfy.ops.disable_weight_init, device="meta", dtype=torch.float32, **kw),
-               kwargs)
+    m = build_on_this_release(
+        lambda kw: cls(operations=comfy.ops.disable_weight_init, device="meta", dtype=torch.float32, **kw), kwargs)
     sd = fill_random_({k: torch.empty(v.shape) for k, v in m.state_dict().items()}, seed)
     return comfy.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": torch.float32})
 
@@ -82,7 +82,7 @@ def _patcher_from_config(config_cls, unet_config: dict, seed: int):
         mc = config_cls(config)
         mc.set_inference_dtype(torch.float32, None)
         return mc.get_model({})
-    model = _build(make, unet_config)
+    model = build_on_this_release(make, unet_config)
     shapes = {k: torch.empty(v.shape) for k, v in model.diffusion_model.state_dict().items()}
     model.diffusion_model.load_state_dict(fill_random_(shapes, seed))
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
