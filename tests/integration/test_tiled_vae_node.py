@@ -184,7 +184,21 @@ def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode
 
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
-    return tiny_wan.load_vae()
+    from tiny_models import tiny_wan_vae_state_dict, wan_vae_loader_reads_width
+
+    if wan_vae_loader_reads_width():
+        return tiny_wan.load_vae()
+    # ComfyUI 0.3.64's loader fixes the width at 96 (the spatial test alone then takes 11 minutes on a CPU): a
+    # narrower subclass while comfy.sd.VAE detects and loads it, as for the other VAEs here
+    import comfy.ldm.wan.vae as wanvae
+
+    class NarrowWan(wanvae.WanVAE):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "dim": 16})
+
+    vae = vae_with_swapped_classes(wanvae, {"WanVAE": NarrowWan}, tiny_wan_vae_state_dict(dim=16))
+    assert vae.first_stage_model.decoder.head[0].gamma.shape[0] == 16
+    return vae
 
 
 def test_wan_temporal_chunks_match_untiled(comfy_env, wan_vae):
