@@ -219,7 +219,25 @@ def measure(model=None, clip=None, vae=None, preset: str | None = None,
         elif isinstance(ratio, tuple) and len(ratio) == 3 and isinstance(ratio[1], int):
             upd["vae_spatial"] = ratio[1]
         notes.append(f"VAE measured: {params / 1e6:.1f} M params")
+        if spec.is_video:
+            upd.update(_video_vae_time(vae, notes))
     return dataclasses.replace(spec, **upd), notes
+
+
+def _video_vae_time(vae, notes: list) -> dict:
+    """How TiledVAEDecode can split this video VAE in time, read from the decoder itself: a decoder that takes
+    every frame in one call with nothing carried between calls (HunyuanVideo on ComfyUI 0.3.64, an LTX decoder
+    whose time units cannot stream) has no exact temporal chunks, so its tiles decode all frames. Nothing when the
+    layout is one Levers does not read."""
+    from .vae import chunks_time_itself, describe_vae
+
+    staged, _ = describe_vae(vae)
+    # LTX on 0.8 streams its time units (time_units); on 0.33 it chunks time itself
+    if staged is None or not staged.whole_frames or staged.time_units or chunks_time_itself(vae):
+        return {}
+    notes.append("VAE: this ComfyUI's decoder takes every frame in one call and carries nothing between calls: "
+                 "no exact temporal chunks, so a tiled decode is planned with every frame in each tile")
+    return {"vae_causal": False, "vae_streamed": False, "vae_whole_video": True}
 
 
 def _token_geometry(model) -> dict:

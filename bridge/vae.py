@@ -464,7 +464,7 @@ def measure_cost(vae, staged: StagedDecoder | None, latent: torch.Tensor,
     # frames it outputs (its full-resolution activations dominate); one that chunks time itself (LTX on 0.33)
     # costs about one chunk, which the probe's frames cover
     per_video = 1.0
-    if staged.whole_frames and not _chunks_time_itself(vae):
+    if staged.whole_frames and not chunks_time_itself(vae):
         per_video = _out_frames(vae, latent.shape[2]) / _out_frames(vae, probe.shape[2])
     cost = DecodeCost(whole_bytes_per_px=whole_bpp * per_video,
                       tile_bytes_per_px=tail_m.peak_bytes / tile_px * 1.1 * per_video,   # +10%: blend + weights
@@ -530,7 +530,7 @@ def _decode_takes_output_buffer(fsm) -> bool:
     return "output_buffer" in inspect.signature(fsm.decode).parameters
 
 
-def _chunks_time_itself(vae) -> bool:
+def chunks_time_itself(vae) -> bool:
     return _decode_takes_output_buffer(vae.first_stage_model)
 
 
@@ -752,7 +752,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         # native decode call per tile
         plan = dataclasses.replace(plan, chunk_frames=samples.shape[2])
         rep.add("each tile decodes all frames in one call of the decoder" +
-                (" (which walks them in its own chunks)" if own or _chunks_time_itself(vae) else ""))
+                (" (which walks them in its own chunks)" if own or chunks_time_itself(vae) else ""))
     rep.add("plan: " + plan.describe(s))
     rep.add("why: " + plan.reason)
     if plan.mode == "temporal" and units:
@@ -761,7 +761,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                 f"output frame of a chunk waits for {stream_latency(units):.1f} latent frames after it)")
     if video and tsize and staged is not None and staged.whole_frames and not (plan.mode == "temporal" and units):
         rep.add("temporal_size ignored: this decoder carries no causal state between calls, so each tile decodes "
-                "all frames in one call" + (" (the decoder chunks time itself)" if _chunks_time_itself(vae) else ""))
+                "all frames in one call" + (" (the decoder chunks time itself)" if chunks_time_itself(vae) else ""))
     if video and settings.temporal_overlap:
         rep.add("temporal_overlap ignored: chunks " + ("stream each unit's context frames" if units else
                                                        "carry the causal cache") + ", so they need no overlap")

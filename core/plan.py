@@ -370,7 +370,7 @@ def plan_vae_tiling(spec: ModelSpec, wl: Workload, available: int) -> tuple[Tili
         return None, full
     exact_chunks = spec.vae_causal or spec.vae_streamed          # chunks that need no temporal overlap
     frames_opts = [None]
-    if spec.is_video:
+    if spec.is_video and not spec.vae_whole_video:        # else tiles of the whole video, as TiledVAEDecode runs it
         t = spec.vae_temporal
         frames_opts = [f for f in (64, 32, 16, 8, t) if f < wl.frames] or [t]
         for f in frames_opts:  # temporal chunks alone, full frame
@@ -633,6 +633,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                                                                      else " streamed, each layer keeping its context "
                                                                      "frames (exact)" if spec.vae_streamed else "")
                             if t.temporal_frames else "")
+                         + (", every frame in each tile (this decoder cannot be chunked in time)"
+                            if spec.is_video and spec.vae_whole_video else "")
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
     vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,
                              pin and host[Component.VAE] > 0, vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))

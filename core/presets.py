@@ -64,6 +64,8 @@ class ModelSpec:
                                      # not LTX: ComfyUI's LTX decoder is non-causal and chunks time itself)
     vae_streamed: bool = False       # non-causal, but its temporal chunks are exact streamed (LTX: on ComfyUI
                                      # 0.8 TiledVAEDecode keeps each layer's context frames; 0.33 does it itself)
+    vae_whole_video: bool = False    # the connected decoder takes every frame in one call and cannot be chunked
+                                     # exactly (HunyuanVideo on ComfyUI 0.3.64): its tiles decode all frames
     is_video: bool = False
     experts: int = 1                 # Wan 2.2 A14B: two experts, one active at a time
     default_width: int = 1024

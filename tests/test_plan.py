@@ -297,6 +297,28 @@ def test_ltx_temporal_chunks_are_streamed_exact_without_overlap():
     assert any("streamed" in n and "exact" in n for n in p.vae.notes)
 
 
+def test_a_decoder_that_cannot_be_chunked_in_time_is_planned_with_whole_video_tiles():
+    """HunyuanVideo's decoder on ComfyUI 0.3.64 takes every frame in one call (Recommend reads it from the connected
+    VAE): no temporal chunks, each tile decodes all frames, and the predicted peak counts them."""
+    import dataclasses
+
+    from comfyui_levers.core.plan import plan_vae_tiling, vae_decode_bytes
+
+    spec = get_preset("hunyuanvideo")
+    wl = Workload(1280, 720, 129, 30)
+    chunked, _ = plan_vae_tiling(spec, wl, 24 * GiB)
+    assert chunked.temporal_frames and chunked.tile_px == 1280        # chunks in time alone fit
+    whole = dataclasses.replace(spec, vae_causal=False, vae_whole_video=True)
+    t, peak = plan_vae_tiling(whole, wl, 24 * GiB)
+    assert t.temporal_frames is None and t.tile_px < 1280
+    assert peak == vae_decode_bytes(whole, wl, t.tile_px, t.overlap_px) <= 24 * GiB
+    assert peak == int(min(1280, t.tile_px + 2 * t.overlap_px) * min(720, t.tile_px + 2 * t.overlap_px) * 129
+                       * whole.vae_bytes_per_px)
+    p = plan(whole, Workload(848, 480, 61, 30), machine(12))
+    assert p.fits and p.vae.tiling.temporal_frames is None, p.vae
+    assert any("every frame in each tile" in n for n in p.vae.notes), p.vae.notes
+
+
 def test_frames_for_an_image_model_are_ignored_with_a_note():
     img = plan(get_preset("sdxl"), Workload(1024, 1024, 81, 30), machine(8))
     one = plan(get_preset("sdxl"), Workload(1024, 1024, 1, 30), machine(8))

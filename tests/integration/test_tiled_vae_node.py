@@ -710,7 +710,7 @@ def test_ltx_costs_scale_with_frames_unless_the_decoder_chunks_time(comfy_env):
     short, _, _ = bridge_vae.measure_cost(vae, staged, smooth_latent((1, 128, 2, 4, 6), 12))
     z = smooth_latent((1, 128, 6, 4, 6), 12)
     long, _, _ = bridge_vae.measure_cost(vae, staged, z)
-    chunked = bridge_vae._chunks_time_itself(vae)
+    chunked = bridge_vae.chunks_time_itself(vae)
     factor = 1.0 if chunked else 41 / 9
     for name in ("whole_bytes_per_px", "tile_bytes_per_px", "stem_bytes_per_px"):
         assert getattr(long, name) == pytest.approx(getattr(short, name) * factor, rel=0.15), (name, chunked)
@@ -749,10 +749,24 @@ def test_hunyuan_decoder_without_carried_convolutions_decodes_all_frames_per_til
     assert psnr(ours, ref_img) >= 20, report      # GroupNorm statistics estimated on random weights
 
 
+def test_recommend_reads_whether_the_connected_video_vae_can_be_chunked_in_time(comfy_env, hunyuan_vae):
+    """Recommend plans a tiled decode from a formula; for a connected video VAE it reads from the decoder whether
+    TiledVAEDecode can chunk it in time. HunyuanVideo's decoder with carried convolutions (0.3.7x on) chunks exactly;
+    0.3.64's takes every frame in one call, so Recommend plans tiles of the whole video and says why."""
+    from comfyui_levers.bridge.recommend import measure
+
+    spec, notes = measure(vae=hunyuan_vae, preset="hunyuanvideo")
+    carried = getattr(hunyuan_vae.first_stage_model.decoder, "carried", False)
+    assert spec.vae_whole_video is (not carried) and spec.vae_causal is carried, (spec, notes)
+    assert any("every frame in each tile" in n for n in notes) is (not carried), notes
+    image_spec, _ = measure(vae=hunyuan_vae, preset="flux1-dev")      # an image plan: nothing about time
+    assert not image_spec.vae_whole_video
+
+
 def _streams_time(comfy_env, vae) -> None:
     from comfyui_levers.bridge import vae as bridge_vae
 
-    if bridge_vae._chunks_time_itself(vae):
+    if bridge_vae.chunks_time_itself(vae):
         pytest.skip("this ComfyUI's LTX decoder walks the frames in its own chunks (0.33+): Levers streams time "
                     "itself only for the decoder that runs all frames at once (0.8.0)")
 
