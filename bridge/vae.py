@@ -113,10 +113,11 @@ def _describe(fsm, dec) -> tuple[StagedDecoder | None, str]:
         if isinstance(weight, torch.Tensor) and weight.ndim == 5:
             if any(len(up.attn) > 0 for up in dec.up):
                 return None, f"{type(dec).__name__} is a 3-D KL decoder with attention in its upsampling stages"
-            return _kl(fsm, dec, video=True), (
+            staged = _kl(fsm, dec, video=True)
+            return staged, (
                 "3-D KL decoder (HunyuanVideo): stages up to 1/4 of the output scale run whole (attention + their "
                 "GroupNorms), the rest tiled with statistics pooled over all tiles; "
-                + ("time in the decoder's own causal chunks" if getattr(dec, "carried", False) else
+                + ("time in the decoder's own causal chunks" if staged.streamed else
                    "every frame in one call (this ComfyUI's decoder carries no causal state between calls; "
                    "0.3.7x and later decode in exact chunks)"))
         if not isinstance(weight, torch.Tensor) or weight.ndim != 4:
