@@ -61,11 +61,43 @@ def _gb(n: float) -> str:
 
 
 @dataclass(frozen=True)
+class PlanBudget:
+    """Where the weights' VRAM budget comes from: the node's ``vram_budget_gb`` (``source`` "node"), a connected
+    plan's diffusion-model share ("plan"), or ComfyUI's free memory (``budget_bytes`` None). ``line`` is what the
+    report says about a connected plan; ``planned`` the plan's (precision, weight bytes), to name a mismatch."""
+
+    budget_bytes: int | None = None
+    source: str = "node"
+    line: str = ""
+    planned: tuple[str, int] | None = None
+
+
+def plan_budget(plan) -> PlanBudget:
+    """The budget a connected plan gives while ``vram_budget_gb`` is auto: its diffusion-model VRAM share when it
+    streams the diffusion model. A plan that keeps it whole on the GPU (resident, or a phase of its own) gives
+    none: its byte count is the whole model at the planned precision, which is no share to stream within, and the
+    connected model may hold another precision (a bf16 model under an fp8 plan: 2x). ComfyUI's free memory then
+    decides, as without a plan."""
+    if plan is None:
+        return PlanBudget(None, "auto")
+    dit = plan.diffusion_model
+    precision = str(getattr(dit, "precision", "") or "")
+    planned = (precision, int(getattr(dit, "weight_bytes", 0) or 0))
+    if getattr(dit, "streaming", None) is not None and dit.resident_bytes:
+        return PlanBudget(int(dit.resident_bytes), "plan", f"the plan streams the diffusion model: its VRAM share "
+                          f"{_gb(int(dit.resident_bytes))} is the budget", planned)
+    residency = str(getattr(dit, "residency", "") or "whole")
+    return PlanBudget(None, "auto", f"the plan keeps the diffusion model whole on the GPU ({precision} {residency}): "
+                      "the budget stays auto (ComfyUI's free memory), so it streams only what does not fit", planned)
+
+
+@dataclass(frozen=True)
 class BridgeRequest:
     """What the node asked for. ``budget_bytes`` None: derive it from ComfyUI's free memory."""
 
     config: PrefetchConfig
     budget_bytes: int | None = None
+    budget: PlanBudget = PlanBudget()
 
 
 def _diffusion_model(patcher) -> nn.Module:
@@ -192,8 +224,11 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
 class _Session:
     """One sampling run of one patcher: scoped overrides, the attached engine, the report."""
 
-    def __init__(self, state: "PrefetchState", patcher, noise: torch.Tensor | None, guider=None):
+    def __init__(self, state: "PrefetchState", patcher, noise: torch.Tensor | None, guider=None,
+                 plan_share_failed: str = ""):
         self.state = state
+        # a plan's share that cannot hold this model's least layout: the auto budget instead, and this says why
+        self.plan_share_failed = plan_share_failed
         self.patcher = patcher
         self.handle: PrefetchHandle | None = None
         self.skip_reason: str | None = None
@@ -261,11 +296,15 @@ class _Session:
         import comfy.model_management as mm
         dev = self.patcher.load_device
         if mm.is_device_cpu(dev):   # nothing to save on a CPU load device unless a budget was given
-            return float(req.budget_bytes) if req.budget_bytes is not None else math.inf
+            if req.budget_bytes is not None and not self.plan_share_failed:
+                return float(req.budget_bytes)
+            if self.plan_share_failed:
+                self.budget_note = f"{self.plan_share_failed}auto budget: none (the load device is the CPU)"
+            return math.inf
         activations = sampling_activations(self.patcher, noise, guider)
         extra_reserved = getattr(mm, "extra_reserved_memory", lambda: 0)()
         self.run_room = int(max(mm.minimum_inference_memory(), activations + extra_reserved))
-        if req.budget_bytes is not None:
+        if req.budget_bytes is not None and not self.plan_share_failed:
             return float(req.budget_bytes)
         own = self.patcher.loaded_size()
         in_use = {id(m) for m in self.alongside}
@@ -288,7 +327,7 @@ class _Session:
                 continue
         free = mm.get_free_memory(dev)
         budget = max(0.0, free + own + evictable - alongside - self.run_room)
-        self.budget_note = (f"auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
+        self.budget_note = (f"{self.plan_share_failed}auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
                             f"ComfyUI may unload {_gb(evictable)} - models loaded with it {_gb(alongside)} - room "
                             f"ComfyUI keeps for the run {_gb(self.run_room)} (activations {_gb(activations)})")
         return budget
@@ -583,7 +622,10 @@ class PrefetchState:
             return executor(*args, **kwargs)
         noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
         session = _Session(self, patcher, noise, guider)
-        if session.too_small and self.request.budget_bytes is not None:
+        if session.too_small and self.request.budget.source == "plan":
+            # the plan's share was sized for the planned precision and blocks; this model cannot stream within it
+            session = _Session(self, patcher, noise, guider, plan_share_failed=self._plan_share_line(session))
+        elif session.too_small and self.request.budget_bytes is not None:
             need, budget = session.too_small
             raise BudgetExceeded(need, int(budget), "GroupPrefetch (vram_budget_gb)",
                                  hint="The budget must hold the model's non-block part plus prefetch_depth + 1 slots "
@@ -605,6 +647,17 @@ class PrefetchState:
             log.info("levers: %s", self.last_report.replace("\n", " | "))
             from .phase import send_to_node
             send_to_node(self.last_report, self.node_id)   # the achieved numbers, on the node; fail-soft
+
+    def _plan_share_line(self, session: "_Session") -> str:
+        need, share = session.too_small
+        line = (f"the plan's diffusion-model share ({_gb(int(share))}) cannot hold this model's non-block part plus "
+                f"the streaming slots of its widest blocks ({_gb(need)})")
+        planned = self.request.budget.planned
+        held = module_bytes(session.root)
+        if planned and planned[1] and held > 1.05 * planned[1]:
+            line += (f": the plan sized {planned[0]} weights ({_gb(planned[1])}), this model holds {_gb(held)} "
+                     "(connect the same plan to QuantizeDiT before GroupPrefetch)")
+        return line + "; using the "
 
     def apply_model(self, executor, *args, **kwargs):
         s = self.session
@@ -688,7 +741,7 @@ def legacy_under_dynamic_line(patcher) -> str:
 
 
 def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None,
-                          node_id: str | None = None):
+                          node_id: str | None = None, plan_budget: PlanBudget | None = None):
     """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling. ``node_id``:
     the node that shows each run's achieved numbers (ComfyUI's progress text), when there is one."""
     import comfy.patcher_extension as pe
@@ -704,7 +757,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
                        "apply to it.")
     clone = model.clone()
     diffusion = clone.model.diffusion_model
-    state = PrefetchState(BridgeRequest(config, budget_bytes), node_id)
+    budget = plan_budget if plan_budget is not None else PlanBudget(budget_bytes, "node" if budget_bytes else "auto")
+    state = PrefetchState(BridgeRequest(config, budget_bytes, budget), node_id)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached
     clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)
@@ -717,6 +771,7 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
              f"resident_groups={config.resident_groups}, VRAM budget="
              f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}"
              + (", packed bf16 streaming" if config.packed else "") + ".",
+             *([f"plan: {budget.line}."] if budget.line else []),
              *([f"packed bf16 unavailable on {clone.load_device}: {packing_supported(clone.load_device)[1]}; "
                 "weights stream as stored."] if config.packed and not packing_supported(clone.load_device)[0] else []),
              "The resident prefix, groups and overlap are decided when sampling starts (they depend on free VRAM and "

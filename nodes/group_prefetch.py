@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..bridge.prefetch import attach_group_prefetch
+from ..bridge.prefetch import PlanBudget, attach_group_prefetch, plan_budget
 from ..core.errors import ConfigError
 from ..core.residency.prefetch import AUTO, PrefetchConfig
 
@@ -21,21 +21,24 @@ def _auto(value: int, field: str, minimum: int):
 
 
 def settings_from(plan, blocks_per_group: int, prefetch_depth: int, resident_groups: int, vram_budget_gb: float,
-                  packed: bool = False):
-    """Node inputs; a plan gives the weights' VRAM budget when ``vram_budget_gb`` is auto.
+                  packed: bool = False) -> tuple[PrefetchConfig, PlanBudget]:
+    """Node inputs; a plan that streams the diffusion model gives the weights' VRAM budget when ``vram_budget_gb``
+    is auto.
 
     Only the budget: the plan sizes its layout from the preset's block sizes, the node from the connected model's
     real blocks and the first step's measured compute, so the plan's group size, depth and resident count are
-    not imposed (a resident count sized from other block sizes can overrun the very budget it came with)."""
+    not imposed (a resident count sized from other block sizes can overrun the very budget it came with). A plan
+    that keeps the diffusion model whole on the GPU gives no budget: its byte count is the weights at the planned
+    precision, not a share to stream within, and the model as connected may hold another precision."""
     g = _auto(blocks_per_group, "blocks_per_group", 1)
     d = _auto(prefetch_depth, "prefetch_depth", 1)
     r = _auto(resident_groups, "resident_groups", 0)
     if vram_budget_gb < 0:
         raise ConfigError("vram_budget_gb", vram_budget_gb, "0 (auto) or a positive number of GiB")
-    budget = int(vram_budget_gb * _GIB) if vram_budget_gb > 0 else None
-    if plan is not None and budget is None and plan.diffusion_model.resident_bytes:
-        budget = int(plan.diffusion_model.resident_bytes)
-    return PrefetchConfig(blocks_per_group=g, prefetch_depth=d, resident_groups=r, packed=bool(packed)), budget
+    config = PrefetchConfig(blocks_per_group=g, prefetch_depth=d, resident_groups=r, packed=bool(packed))
+    if vram_budget_gb > 0:
+        return config, PlanBudget(int(vram_budget_gb * _GIB))
+    return config, plan_budget(plan)
 
 
 class LeversGroupPrefetch(io.ComfyNode):
@@ -66,7 +69,8 @@ class LeversGroupPrefetch(io.ComfyNode):
                                        "ComfyUI's own load would give this model (free memory plus what other loaded "
                                        "models hold, which ComfyUI unloads for it) minus this run's activations as "
                                        "ComfyUI estimates them (reference latents and ControlNets included) and the "
-                                       "models loaded with it; or the plan's budget when a plan is connected."),
+                                       "models loaded with it; or the diffusion-model share of a connected plan that "
+                                       "streams it."),
                 io.Boolean.Input("packed_bf16", default=False,
                                  tooltip="Stream bf16 weights losslessly packed: about 12 bits per weight instead of "
                                          "16 (sign+mantissa byte, 4-bit exponent code, rare escapes), unpacked on the "
@@ -76,9 +80,12 @@ class LeversGroupPrefetch(io.ComfyNode):
                                          "copy), a one-time packing pass and a <=100 MiB staging buffer. Needs Triton "
                                          "on CUDA; otherwise the report says it is off."),
                 PLAN.Input("plan", optional=True,
-                           tooltip="A Levers plan from Recommend: its diffusion-model VRAM share becomes the budget "
-                                   "when vram_budget_gb is auto. Group size, depth and resident blocks are sized "
-                                   "from this model's real blocks and measured compute, within that budget."),
+                           tooltip="A Levers plan from Recommend. When it streams the diffusion model, its "
+                                   "diffusion-model VRAM share becomes the budget while vram_budget_gb is auto (if "
+                                   "the connected model cannot stream within it, the auto budget is used and the "
+                                   "report says why); when it keeps the model whole on the GPU, the budget stays "
+                                   "auto. Group size, depth and resident blocks are sized from this model's real "
+                                   "blocks and measured compute, within the budget."),
             ],
             outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
             hidden=[io.Hidden.unique_id],   # each sampling run's achieved numbers are shown on this node
@@ -90,8 +97,8 @@ class LeversGroupPrefetch(io.ComfyNode):
         config, budget = settings_from(plan, blocks_per_group, prefetch_depth, resident_groups, vram_budget_gb,
                                        packed_bf16)
         hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
-        clone, report = attach_group_prefetch(model, config, budget_bytes=budget,
-                                              node_id=getattr(hidden, "unique_id", None))
+        clone, report = attach_group_prefetch(model, config, budget_bytes=budget.budget_bytes,
+                                              node_id=getattr(hidden, "unique_id", None), plan_budget=budget)
         return io.NodeOutput(clone, report, ui=ui.PreviewText(report))
 
 

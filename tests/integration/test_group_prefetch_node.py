@@ -884,7 +884,8 @@ def test_a_plan_gives_the_budget_and_the_node_sizes_the_layout_from_the_real_blo
     assert other + 2 * sizes[0] + 2 * max(sizes[2:]) > budget, "the plan's own layout would not fit its budget"
     plan = SimpleNamespace(diffusion_model=SimpleNamespace(streaming=st, resident_bytes=budget))
     config, got = settings_from(plan, -1, -1, -1, 0.0)
-    assert got == budget and (config.blocks_per_group, config.prefetch_depth, config.resident_groups) == (AUTO,) * 3
+    assert (got.budget_bytes, got.source) == (budget, "plan")
+    assert (config.blocks_per_group, config.prefetch_depth, config.resident_groups) == (AUTO,) * 3
     node = _node(comfy_env, "LeversGroupPrefetch")
     out = node.execute(model, blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0,
                        plan=plan)
@@ -896,6 +897,62 @@ def test_a_plan_gives_the_budget_and_the_node_sizes_the_layout_from_the_real_blo
     stats = state.last_stats
     assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
     assert "not streaming" not in state.last_report, state.last_report
+
+
+_AUTO = dict(blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0)
+
+
+def test_a_plan_that_keeps_the_model_whole_leaves_the_budget_on_auto(comfy_env, tiny_wan, monkeypatch):
+    """Recommend plans this bf16 model as fp8 on the GPU for the whole phase (goal fit): its diffusion-model bytes
+    are the fp8 weights, half of what the connected bf16 model holds. Taken as GroupPrefetch's budget they stopped
+    the sampler with BudgetExceeded naming vram_budget_gb, which the user had left on auto; and a bf16 plan's
+    byte count a few KiB under the model's own made it stream part of every block although the plan streamed
+    nothing. A plan that keeps the model whole gives no budget: the node samples as on auto, bit-identical."""
+    import comfy.model_management as mm
+
+    from comfyui_levers.nodes.recommend import LeversRecommend
+
+    monkeypatch.setattr(mm, "unet_dtype", lambda *a, **k: torch.bfloat16)   # as ComfyUI loads it on a GPU
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    for goal in ("fit", "balanced"):
+        plan, _ = LeversRecommend.execute("auto", 64, 64, 5, 2, 1, goal, 8.0, 16.0, model=model).result
+        dit = plan.diffusion_model
+        assert dit.streaming is None, dit          # the plan keeps the diffusion model whole
+        out, report, state = _prefetch(comfy_env, model, plan=plan, **_AUTO)
+        assert "the plan keeps the diffusion model whole on the GPU" in report, report
+        assert torch.equal(tiny_wan.sample(out)["samples"], ref)
+        assert "0 streamed" in state.last_report and "budget none" in state.last_report, state.last_report
+
+
+def test_a_plan_share_the_model_cannot_stream_in_falls_back_to_auto_with_a_line(comfy_env, tiny_wan, monkeypatch):
+    """A plan that streams an fp8 model, connected to the same model in bf16 (QuantizeDiT left out): its share
+    cannot hold even the bf16 model's non-block part and two slots. That is no reason to stop the run: the node
+    uses the auto budget, and the report names the plan's share, what the plan sized and the fix. A budget typed
+    into vram_budget_gb is still held to (BudgetExceeded, test above)."""
+    from types import SimpleNamespace
+
+    import comfy.model_management as mm
+
+    from comfyui_levers.core.plan_types import Streaming
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    monkeypatch.setattr(mm, "unet_dtype", lambda *a, **k: torch.bfloat16)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    held = module_bytes(model.model.diffusion_model)
+    st = Streaming(n_blocks=4, blocks_per_group=1, prefetch_depth=1, resident_groups=0, streamed_bytes_per_step=0,
+                   block_bytes=0, transfer_seconds_per_block=0.0, compute_seconds_per_block=0.0,
+                   hides_transfer=True)
+    plan = SimpleNamespace(diffusion_model=SimpleNamespace(streaming=st, resident_bytes=held // 4,
+                                                           precision="fp8_e4m3fn", weight_bytes=held // 2))
+    out, report, state = _prefetch(comfy_env, model, plan=plan, **_AUTO)
+    assert "the plan streams the diffusion model" in report, report
+    assert torch.equal(tiny_wan.sample(out)["samples"], ref)
+    last = state.last_report
+    assert "the plan's diffusion-model share" in last and "cannot hold" in last, last
+    assert "the plan sized fp8_e4m3fn weights" in last and "QuantizeDiT before GroupPrefetch" in last, last
+    assert "using the auto budget" in last, last
 
 
 def test_a_model_without_streamable_blocks_passes_through_with_a_clear_line(comfy_env):
