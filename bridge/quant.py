@@ -274,6 +274,31 @@ def save_quantized(patcher, path: str, config: QuantConfig, arch: str, force: bo
     qckpt.save_tensors(fix(tensors()), path, qckpt.file_metadata(config, arch, layers), force=force)
 
 
+def held_config(dm) -> tuple[QuantConfig | None, str]:
+    """The one format and granularity every quantized layer of ``dm`` holds, to label a save of a model passed
+    through as already quantized; (None, why) when there is no single layout QuantizeDiT writes (formats mixed,
+    or weights of another kind: GGUF, bitsandbytes, ComfyUI's other quantized layouts, plain fp8 parameters)."""
+    kinds = set()
+    for name, m in dm.named_modules():
+        if isinstance(m, QuantLinear):
+            qw = m.quantized_weight()
+            kinds.add((qw.format, qw.granularity, qw.block_size))
+            continue
+        if getattr(m, "layout_type", None) is not None and _native_qweight(m) is not None:
+            kinds.add((Precision.FP8_E4M3FN, Granularity.PER_TENSOR, 64))
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
+                return None, f"{name}.{pname} is a {type(p).__name__}, which QuantizeDiT does not write"
+            if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8):
+                return None, f"{name}.{pname} holds {p.dtype} codes outside a quantized layer QuantizeDiT writes"
+    if len(kinds) != 1:
+        found = ", ".join(sorted(f"{f} {g}" for f, g, _ in kinds)) or "none"
+        return None, f"its quantized layers do not share one format and granularity (found: {found})"
+    fmt, gran, block = kinds.pop()
+    return QuantConfig(fmt, gran, block_size=block), ""
+
+
 def _native_qweight(m) -> QuantizedWeight | None:
     """QuantizedWeight view of a ComfyUI native fp8 layer (comfy-kitchen QuantizedTensor)."""
     w = m.weight
@@ -530,8 +555,11 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
                          quantize_modulation=qmod)
     new, report = quantize_patcher(model, config)
     report.notes[:0] = notes
-    text = report.format_text()
-    if new is not model:
+    passed = new is model
+    text = (report.format_text() if not passed else
+            f"QuantizeDiT: passed through unchanged; the requested {config.format} {config.granularity} was not "
+            "applied\n" + "\n".join(f"  note: {n}" for n in report.notes))
+    if not passed:
         if quality_check_enabled:
             text += "\n  " + quality_check(model, new, config.format)[1]
         from ..core.quant.census import census as run_census
@@ -539,8 +567,17 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     elif quality_check_enabled:
         text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
     if path is not None:
-        save_quantized(new, path, config, report.arch)
-        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(config)
-                    else "Levers layout: load it with Load Quantized DiT (Levers); see docs/quantize.md")
+        held = config
+        if passed:    # the file says what the model holds, not what this node was asked for
+            held, why = held_config(model.model.diffusion_model)
+            if held is None:
+                line = (f"not saved: the input passed through as already quantized, and {why}. Set save_path on the "
+                        "QuantizeDiT that quantized it, or quantize the original file with `levers quantize`")
+                log.warning("levers: QuantizeDiT %s", line)
+                return new, f"{text}\n{line}"
+            text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
+        save_quantized(new, path, held, report.arch)
+        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held)
+                    else "Levers layout: load it with Load Quantized DiT (Levers); see the README, QuantizeDiT: File layouts")
         text += f"\nsaved: {path} ({loadable})"
     return new, text

@@ -127,6 +127,43 @@ def test_already_quantized_passes_through(node, tiny_wan, base):
     assert again is fp8_loaded and "already" in report
 
 
+def test_a_passed_through_model_is_saved_as_it_holds_it_or_not_at_all(node, tiny_wan, base, comfy_env):
+    """A second QuantizeDiT passes an already-quantized model through; with a save_path it wrote the file under the
+    settings it was asked for (found in review): int8 codes labelled as ComfyUI fp8, which the stock loader then
+    failed to load (a size mismatch), and a header naming a format the model does not hold. The file now says what
+    the model holds, and a model with no single layout QuantizeDiT writes is not saved, with a line."""
+    import json
+
+    from safetensors import safe_open
+
+    from comfyui_levers.bridge.quant_loader import load_quantized_dit
+
+    model, _ = base
+    int8, _ = run(node, model, format="int8", quality_check=False)
+    name = "levers_test_passthrough_int8.safetensors"
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", name)
+    if os.path.exists(path):
+        os.unlink(path)
+    again, report = run(node, int8, format="fp8_e4m3fn", granularity="per_tensor", save_path=path,
+                        quality_check=False)
+    assert again is int8
+    assert report.startswith("QuantizeDiT: passed through unchanged"), report
+    assert "saved as the model holds it: int8 per_row" in report and "Load Quantized DiT (Levers)" in report, report
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    assert "_quantization_metadata" not in meta            # not ComfyUI's fp8 layout: the stock loader is not told so
+    assert json.loads(meta["levers_quantization"])["config"]["format"] == "int8"
+    loaded = load_quantized_dit(path)[0]
+    assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], tiny_wan.sample(int8, seed=1)["samples"])
+    # plain fp8 weights (a loader's weight_dtype) are no layout QuantizeDiT writes: no file, a line that says why
+    fp8_loaded = tiny_wan.load_model(weight_dtype="fp8_e4m3fn")
+    other = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_passthrough_fp8.safetensors")
+    again, report = run(node, fp8_loaded, format="int8", save_path=other, quality_check=False)
+    assert again is fp8_loaded and not os.path.exists(other)
+    assert "not saved: the input passed through as already quantized" in report, report
+    assert "float8_e4m3fn" in report and "levers quantize" in report, report
+
+
 def _reported_psnr(report):
     import re
 
