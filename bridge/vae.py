@@ -707,7 +707,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         if staged is not None and settings.memory_budget_gb > 0:
             # a budget the user set: say what it would take rather than exceed it
             raise BudgetExceeded(exc.needed_bytes, exc.available_bytes, exc.component,
-                                 f"Raise memory_budget_gb to at least {exc.needed_bytes / GIB:.3f} (or 0 = 90% of "
+                                 f"Raise memory_budget_gb to at least {math.ceil(exc.needed_bytes / GIB * 1000) / 1000:.3f} (or 0 = 90% of "
                                  "the free memory).") from exc
         if staged is not None:
             # Even Levers' smallest plan (its whole-image stem, or the smallest exact tile) needs more than the

@@ -178,8 +178,13 @@ def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode
     ref = comfy_env.nodes.VAEDecodeTiled().decode(kl_vae, latent, side, side // 4, 64, 8)[0]
     assert torch.equal(img, ref)
     monkeypatch.undo()
-    with pytest.raises(BudgetExceeded, match=r"but only 0\.2 MiB is available.*Raise memory_budget_gb to at least"):
+    with pytest.raises(BudgetExceeded, match=r"but only 0\.2 MiB is available.*Raise memory_budget_gb to at least") as e:
         run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.0002)
+    # the advised budget fits (it is rounded up: rounded to the nearest, it once advised the budget that failed)
+    advised = float(str(e.value).split("at least ")[1].split(" ")[0])
+    assert advised * 2 ** 30 >= e.value.needed_bytes, (advised, e.value.needed_bytes)
+    img, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=advised)
+    assert img.shape[1:3] == (192, 192), report
 
 
 @pytest.fixture(scope="module")
