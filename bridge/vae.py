@@ -763,6 +763,8 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     if video and tsize and staged is not None and staged.whole_frames and not (plan.mode == "temporal" and units):
         rep.add("temporal_size ignored: this decoder carries no causal state between calls, so each tile decodes "
                 "all frames in one call" + (" (the decoder chunks time itself)" if chunks_time_itself(vae) else ""))
+    if not video and (tsize or settings.temporal_overlap):
+        rep.add("temporal_size / temporal_overlap ignored: an image latent has no frames to chunk")
     if video and settings.temporal_overlap:
         rep.add("temporal_overlap ignored: chunks " + ("stream each unit's context frames" if units else
                                                        "carry the causal cache") + ", so they need no overlap")

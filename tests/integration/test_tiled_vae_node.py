@@ -81,6 +81,10 @@ def test_kl_auto_fits_is_identical_to_vaedecode(comfy_env, kl_vae):
     img, report = run_node(comfy_env, latent, kl_vae)
     assert "mode=whole" in report and "no tiling" in report
     assert torch.equal(img, ref)
+    assert "temporal_size / temporal_overlap ignored" not in report
+    # time settings on an image latent change nothing, and the report says they were ignored (they were silent)
+    img, report = run_node(comfy_env, latent, kl_vae, temporal_size=8, temporal_overlap=4)
+    assert torch.equal(img, ref) and "temporal_size / temporal_overlap ignored: an image latent" in report, report
 
 
 def test_kl_tiles_beat_vaedecodetiled(comfy_env, kl_vae):
