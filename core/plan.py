@@ -25,6 +25,11 @@ NF4_SLOWDOWN = 1.25                 # dequantize-then-bf16 (seed 000: 0.6-0.9x s
 INT8_SLOWDOWN = 1.1
 STREAM_HEADROOM = 0.92              # leave room in the budget when sizing streamed groups
 PARTIAL_TE_MIN_BYTES = 1 * GiB      # the least of a too-big text encoder worth loading (ComfyUI streams the rest)
+# An untiled VAE decode's seconds per GB of its planned activation peak at 989 dense TFLOP/s (an H200), scaled by the
+# card's rate: FLUX's VAE at 1024² took 0.085 s for a planned 2.1 GB, Wan 2.1's 17 frames of 480x832 0.305 s for a
+# planned 10.4 GB (bench/results/2026-11-30-h200-f.md, bf16); the larger ratio is kept.
+VAE_DECODE_SECONDS_PER_GB = 0.04
+REFERENCE_TFLOPS = 989.0
 LOSS_RANK = {Precision.FP32: 0, Precision.BF16: 0, Precision.FP16: 0, Precision.FP8_E4M3FN: 1,
              Precision.INT8: 1, Precision.NF4: 3}
 
@@ -149,6 +154,30 @@ def vae_decode_bytes(spec: ModelSpec, wl: Workload, tile_px: int | None = None, 
     return int(px * f * spec.vae_bytes_per_px)
 
 
+def vae_decode_seconds(spec: ModelSpec, wl: Workload, machine: Machine) -> float:
+    """The untiled decode's seconds for one sample, from its planned activation bytes (``VAE_DECODE_SECONDS_PER_GB``)."""
+    tflops = machine.gpu.tflops if machine.gpu else CPU_TFLOPS
+    return VAE_DECODE_SECONDS_PER_GB * vae_decode_bytes(spec, wl) / 1e9 * REFERENCE_TFLOPS / max(1e-3, tflops)
+
+
+def tiling_work(spec: ModelSpec, wl: Workload, tiling: Tiling) -> float:
+    """The decoder work of a tiled decode relative to the whole decode: each boundary between tiles is decoded twice
+    over its overlap on each side, so a side cut in n tiles costs (side + 2·overlap·(n - 1)) / side. Temporal chunks
+    that carry their state (a causal cache, streamed units) recompute nothing; overlapping chunks recompute their
+    overlap the same way. TiledVAEDecode's own exact plans (GroupNorm statistics, the layered decode) are its to
+    time; this is the estimate Recommend plans with."""
+    work = 1.0
+    for side in (wl.width, wl.height):
+        n = math.ceil(side / max(1, tiling.tile_px))
+        if n > 1:
+            work *= (side + 2 * tiling.overlap_px * (n - 1)) / side
+    f = tiling.temporal_frames
+    if spec.is_video and f and wl.frames > f and tiling.temporal_overlap:
+        n = math.ceil(wl.frames / f)
+        work *= (wl.frames + 2 * tiling.temporal_overlap * (n - 1)) / wl.frames
+    return work
+
+
 def step_flops(spec: ModelSpec, wl: Workload) -> tuple[float, float]:
     """(linear, attention) FLOPs of one step, 2 per weight and token in the blocks' linears. Image (and reference)
     tokens pass a dual-stream block's image weights, text tokens its text weights, every token the single-stream
@@ -210,7 +239,8 @@ class _TeOption:
     extra_seconds: float
     loss: float
     note: str = ""
-    partial: bool = False            # bigger than the card: ComfyUI's partial load (lowvram) runs it
+    partial: bool = False            # bigger than its room: ComfyUI's partial load (lowvram) runs it
+    prompts: int = 1                 # encodes per generation (a negative prompt is a second one)
 
 
 def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
@@ -343,14 +373,11 @@ def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
             # larger than the card in this precision (FLUX.2's 24 B Mistral on 8-16 GiB, a bf16 Qwen-VL on 8 GiB):
             # ComfyUI's own partial load keeps what fits the free memory during encode and casts the rest layer by
             # layer (its lowvram path), so that rest crosses the bus at every encode (the negative prompt too).
-            # Planned with the least it needs on the GPU; it takes more when more is free and gives it back, as
-            # ComfyUI sizes that load from the free memory.
-            streamed = wb - room
+            # Planned with the least it needs on the GPU; its seconds come from the room the plan leaves it
+            # (``_evaluate``). An encoder that fits the card whole is not offered this way: before loading it
+            # ComfyUI frees room for all of it, unloading whatever else is loaded, so it would load whole.
             opts.append(_TeOption(p, main, Residency.PHASE, wb, te_act + PARTIAL_TE_MIN_BYTES,
-                                  (room + prompts * streamed) / bw, loss,
-                                  f"larger than the card ({wb / GiB:.1f} GiB): ComfyUI loads the part that fits the "
-                                  f"free memory while encoding and streams the rest layer by layer (its lowvram "
-                                  f"path), about {streamed / GiB:.1f} GiB per encode", partial=True))
+                                  (room + prompts * (wb - room)) / bw, loss, partial=True, prompts=prompts))
     for g in machine.gpus[1:]:
         wb = int(spec.te_params * bytes_per_param(Precision.BF16 if g.bf16 else Precision.FP16))
         if wb + te_act <= g.total_bytes - OVERHEAD_BYTES:
@@ -407,6 +434,11 @@ class _Candidate:
     loss: float
     move_seconds: float = 0.0   # the part of ``extra`` that copies whole components to the GPU (phase loads, expert
                                 # swaps, the text encoder's load), timed at the pinned bandwidth; streaming is the DiT's
+    # decided by ``_with_pinning`` before the goal chooses, so every candidate is timed at the bandwidth it will get
+    pin: bool = True
+    pin_reason: str = ""
+    host: tuple[int, int, int] = (0, 0, 0)     # pinned-set bytes: diffusion model, text encoder, VAE
+    streaming: Streaming | None = None         # the DiT's streaming, retimed when its copies are pageable
 
 
 def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | None:
@@ -416,6 +448,20 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
     te_res = te.gpu_bytes if te.residency is Residency.RESIDENT else 0
     vae_res_b = vae_w if vae_res is Residency.RESIDENT else 0
     dit_always = dit.residency is Residency.RESIDENT
+    if te.partial:
+        # Before a load, ComfyUI frees room for the whole encoder (1.1x its size), unloading the diffusion model
+        # first: a DiT planned to stay resident across the encode would be reloaded for every generation. The
+        # encoder then loads what fits beside what is left and streams the rest at every encode.
+        if dit_always:
+            return None
+        room = budget - te_activation_bytes(spec) - vae_res_b       # a resident VAE stays beside it
+        if room < PARTIAL_TE_MIN_BYTES:
+            return None
+        streamed = te.weight_bytes - room
+        te = replace(te, extra_seconds=(room + te.prompts * streamed) / (machine.bandwidth.pinned_gbps * 1e9),
+                     note=f"larger than the card ({te.weight_bytes / GiB:.1f} GiB): ComfyUI loads the part that fits "
+                          f"the free memory while encoding ({room / GiB:.1f} GiB) and streams the rest layer by layer "
+                          f"(its lowvram path), about {streamed / GiB:.1f} GiB per encode")
     # A streamed DiT keeps its resident groups across phases only when that is cheaper; PhaseOffload
     # releases them before decode, so treat streamed like phase outside sampling.
     encode = te.gpu_bytes + (dit.resident_bytes if dit_always else 0) + vae_res_b
@@ -444,8 +490,8 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
         moves += vae_w / bw_pin
     te_move = te.extra_seconds if te.residency is Residency.PHASE else 0.0    # on the CPU its seconds are compute
     extra = dit.extra_seconds_per_gen + te.extra_seconds + moves
-    if tiling is not None:
-        extra += 0.15 * vae_peak / 1e9  # overlap recompute; small
+    if tiling is not None:      # the overlap the tiles decode twice (chunks that carry their state: none)
+        extra += wl.batch * vae_decode_seconds(spec, wl, machine) * (tiling_work(spec, wl, tiling) - 1.0)
     total = dit.step_seconds * wl.steps + extra
     loss = LOSS_RANK[dit.precision] + te.loss + (0.25 if dit.quantize_modulation else 0.0)
     return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss, moves + te_move)
@@ -533,7 +579,7 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
         in_ram = [c for c in cands if _host_need(spec, machine, c) <= 1.05 * least]
         notes.append(f"host RAM ({ram / GiB:.1f} GiB available) fits no plan's host copies: planned among those "
                      f"that keep the least ({least / GiB:.1f} GiB); the OS will page the rest")
-    best = _choose(in_ram, goal)
+    best = _choose([_with_pinning(spec, wl, machine, c) for c in in_ram], goal)
     return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict)
 
 
@@ -545,25 +591,22 @@ def _host_need(spec, machine, c: _Candidate) -> int:
             + vae_w)
 
 
-def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict) -> Plan:
-    gpu = machine.gpu
-    bf16 = gpu.bf16
-    vae_w = int(spec.vae_params * (2 if bf16 else 4))
+def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
+    """``c`` with seed 002's pin decision for its host copies, and its seconds at the bandwidth that gives: pageable
+    copies are slower, so the copies among the extra seconds are rescaled (the text encoder's load too; not a CPU
+    encode or a tiled decode's recompute), and a streamed DiT's copies are timed at the pageable bandwidth (a copy
+    that hides when pinned may not hide any more). Decided before the goal chooses: a plan that is fastest only
+    at the pinned bandwidth it will not get must not win."""
+    vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
     # the pinned set: a single resident DiT moves nothing; experts swap at every generation, and PhaseOffload keeps
     # (and pins) a host master of each, the one on the GPU included
     moves = c.dit.residency is not Residency.RESIDENT or spec.experts > 1
-    host = {Component.DIFFUSION_MODEL: c.dit.weight_bytes * spec.experts if moves else 0,
-            Component.TEXT_ENCODER: c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
-            Component.VAE: vae_w if c.vae_residency is Residency.PHASE else 0}
-    pin_total = sum(host.values())
-    pin, pin_reason = pin_rule(pin_total, machine)
-    notes.append(f"pinning: {'on' if pin else 'off'} ({pin_reason})")
-    extra = c.extra
-    streaming = c.dit.streaming
-    if not pin and pin_total:
-        # Pageable copies are slower: rescale the copies among the extra seconds (the text encoder's load too; not
-        # a CPU encode or tiled-decode recompute), and time a streamed DiT's copies at the pageable bandwidth (a
-        # copy that hides when pinned may not hide any more).
+    host = (c.dit.weight_bytes * spec.experts if moves else 0,
+            c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
+            vae_w if c.vae_residency is Residency.PHASE else 0)
+    pin, pin_reason = pin_rule(sum(host), machine)
+    extra, streaming = c.extra, c.dit.streaming
+    if not pin and sum(host):
         ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
         dit_extra = c.dit.extra_seconds_per_gen * ratio
         if streaming is not None:
@@ -575,6 +618,18 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
             dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
                                        - c.dit.step_seconds * n_streamed / streaming.n_blocks)
         extra = c.extra - c.dit.extra_seconds_per_gen + c.move_seconds * (ratio - 1) + dit_extra
+    return replace(c, extra=extra, total_seconds=c.dit.step_seconds * wl.steps + extra, pin=pin,
+                   pin_reason=pin_reason, host=host, streaming=streaming)
+
+
+def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict) -> Plan:
+    gpu = machine.gpu
+    bf16 = gpu.bf16
+    vae_w = int(spec.vae_params * (2 if bf16 else 4))
+    host = dict(zip((Component.DIFFUSION_MODEL, Component.TEXT_ENCODER, Component.VAE), c.host))
+    pin = c.pin
+    notes.append(f"pinning: {'on' if pin else 'off'} ({c.pin_reason})")
+    extra, streaming = c.extra, c.streaming
     dit_notes = []
     if c.dit.precision.is_quantized and stored_precision(spec) is None:     # QuantizeDiT's census, not a file's
         kept = spec.dit_kept_params + (0 if c.dit.quantize_modulation else spec.modulation_params)
@@ -704,19 +759,39 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> 
         p, residency, qmod = smallest.precision, smallest.residency, smallest.quantize_modulation
         wb, resident, streaming = smallest.weight_bytes, smallest.resident_bytes, smallest.streaming
     else:           # not even one streamed group fits: the smallest format this machine can use, loaded for its phase
-        p, residency, qmod = stored_precision(spec) or available_precisions(machine, [])[-1], Residency.PHASE, False
-        wb = resident = dit_weight_bytes(spec, p)
+        p, residency = stored_precision(spec) or available_precisions(machine, [])[-1], Residency.PHASE
+        qmod = p.is_quantized and stored_precision(spec) is None and bool(spec.modulation_params)    # the smallest
+        wb = resident = dit_weight_bytes(spec, p, qmod)
         streaming = None
-    card = f"{gpu.total_bytes / GiB:.0f} GiB" if gpu.total_bytes >= 0.5 * GiB else f"{gpu.total_bytes / 2 ** 20:.0f} MiB"
-    notes.append(f"does not fit {card} even with {p} weights{' and streaming' if residency is Residency.STREAMED else ''}: "
-                 f"one step's activations are {act / GiB:.1f} GiB. Lower the resolution/frames or batch, or use a "
-                 "bigger card.")
+    card = (f"{gpu.total_bytes / GiB:.1f}".rstrip("0").rstrip(".") + " GiB" if gpu.total_bytes >= 0.5 * GiB
+            else f"{gpu.total_bytes / 2 ** 20:.0f} MiB")
     vae_p, vae_w = (Precision.BF16, int(spec.vae_params * 2)) if gpu.bf16 else (Precision.FP32, int(spec.vae_params * 4))
+    budget = gpu.total_bytes - OVERHEAD_BYTES
+    # the phases of the smallest plan (the text encoder on the CPU, the VAE in its smallest tiles), each on its own
+    sample = resident + act
+    tiling, vae_peak = plan_vae_tiling(spec, wl, 0)        # available 0: the smallest tiles it plans
+    decode = vae_w + vae_peak
+    short = []
+    if budget <= 0:
+        short.append(f"the card is below the {OVERHEAD_BYTES / GiB:.1f} GiB kept for the CUDA context and "
+                     "fragmentation")
+    else:
+        if sample > budget:
+            short.append(f"sampling needs {sample / GiB:.1f} GiB ({p} weights on the GPU "
+                         f"{resident / GiB:.1f} GiB{' with streaming' if residency is Residency.STREAMED else ''}, one "
+                         f"step's activations {act / GiB:.1f} GiB)")
+        if decode > budget:
+            short.append(f"the VAE decode needs {decode / GiB:.1f} GiB (its weights {vae_w / GiB:.2f} GiB and its "
+                         f"smallest tiles {vae_peak / GiB:.1f} GiB)")
+    notes.append(f"does not fit {card} ({max(0, budget) / GiB:.1f} GiB usable) even with {p} weights"
+                 f"{' and streaming' if residency is Residency.STREAMED else ''}: " + "; ".join(short or ["no plan fits"])
+                 + (". Use a bigger card." if budget <= 0 else
+                    ". Lower the resolution/frames or batch, or use a bigger card."))
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, residency, False, wb, resident,
                            streaming=streaming, quantize_modulation=qmod),
              ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
-             ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w))
-    peak = resident + act + OVERHEAD_BYTES
+             ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w, tiling=tiling))
+    peak = max(sample, decode) + OVERHEAD_BYTES
     return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
                 components=comps, activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl),
                 overhead_bytes=OVERHEAD_BYTES, predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
