@@ -268,6 +268,23 @@ def test_residency_levers_are_bit_identical(run, object_info, baseline, node_id)
     assert torch.equal(image_of(result), ref_image)
 
 
+def test_group_prefetch_streaming_every_block_is_bit_identical_through_the_server(run, object_info, baseline, server):
+    """On a CPU server the auto budget is unlimited, so the default GroupPrefetch streams nothing (found in review:
+    the test above could not catch a streaming bug). Forced to stream every block through two slots, the run
+    through ComfyUI's real executor and cache must still match the plain graph bit for bit, and the server's log
+    must show the blocks streamed."""
+    _require(object_info, "LeversGroupPrefetch")
+    ref_latent, ref_image = _baseline(run, object_info, baseline)
+    forced = {"blocks_per_group": 1, "prefetch_depth": 1, "resident_groups": 0, "vram_budget_gb": 1.0}
+    before = server.log_path.read_text(errors="replace")
+    result = run(wan_graph(object_info, model_chain=[("LeversGroupPrefetch", forced)], nonce=6, prefix="streamed"))
+    assert torch.equal(latent_of(result), ref_latent)
+    assert torch.equal(image_of(result), ref_image)
+    new = server.log_path.read_text(errors="replace")[len(before):]
+    lines = [l for l in new.splitlines() if "levers: GroupPrefetch:" in l]
+    assert lines and "0 kept loaded by ComfyUI" in lines[-1] and "streamed" in lines[-1], new[-2000:]
+
+
 def _precisions(object_info):
     spec = next((s for s in C.input_specs(object_info["LeversQuantizeDiT"]) if s.choices and any(
         str(c).startswith(("fp8", "int8", "nf4")) for c in s.choices)), None)
