@@ -300,3 +300,34 @@ def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_o
     assert m.b.weight.data_ptr() == m.a.weight.data_ptr() != w.data_ptr()          # tied in the copy
     assert m.head.weight.data_ptr() == w.data_ptr()                                 # no master: left as it was
     assert all(torch.equal(got, ref) for got, ref in zip([m.a(x), m.b(x), m.head(x)], want))
+
+
+def test_read_only_views_with_gaps_are_rebound_to_a_packed_pinned_copy(read_only):
+    """A module whose weights are views into one larger read-only mapping with gaps between them (a file holding
+    other components' tensors too) stayed pageable. Its masters now move to a copy of the views alone, the module's
+    tensors are rebound to it (tied slices stay tied), and the outputs do not change."""
+    from comfyui_levers.core.residency.pinned import GIB, PinnedStore
+    from comfyui_levers.core.residency.transport import PinResult
+
+    class Pinning(CpuTransport):
+        def pin(self, t):
+            return PinResult(True, "pinned in place", t.nbytes)
+
+    torch.manual_seed(0)
+    blob = read_only(torch.randn(20000))
+    m = nn.Module()
+    m.a, m.b, m.c = nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False), nn.Linear(8, 8, bias=False)
+    m.a.weight = nn.Parameter(blob[:64].view(8, 8), requires_grad=False)
+    m.b.weight = nn.Parameter(blob[:32].view(4, 8), requires_grad=False)         # a slice of a's weight
+    m.c.weight = nn.Parameter(blob[19000:19064].view(8, 8), requires_grad=False)  # far away: a gap between
+    x = torch.randn(2, 8)
+    want = [m.a(x), m.b(x), m.c(x)]
+    store = PinnedStore(Pinning(), "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
+                        os_name="linux")
+    table = MasterTable(m, "dit", Pinning(), store)
+    table.capture()
+    out = table.pin_outcome
+    assert out.pinned and out.copied_bytes < 4 * 64 * 4, out          # the views, not the 80 KB span
+    ptrs = {m.a.weight.data_ptr(), m.c.weight.data_ptr()}
+    assert blob.data_ptr() not in ptrs and m.b.weight.data_ptr() == m.a.weight.data_ptr()
+    assert all(torch.equal(got, ref) for got, ref in zip([m.a(x), m.b(x), m.c(x)], want))

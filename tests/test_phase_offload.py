@@ -342,6 +342,34 @@ def test_tensors_keep_their_kind_across_onload_and_offload(ids, build_mode):
                     assert torch.equal(m(ids), want)
 
 
+def test_weights_that_are_views_with_gaps_into_read_only_memory_get_a_packed_pinned_copy(ids, read_only):
+    """Every weight a view into one read-only mapping that also holds other tensors between them (gaps): the
+    masters become one packed copy of the views (pinned), the module points at it, outputs as before."""
+    plain, managed = _model(), _model()
+    named = [(n, p) for n, p in managed.named_parameters()]
+    parts, offset, where = [], 0, {}
+    for n, p in named:
+        where[n] = offset
+        parts += [p.detach().reshape(-1).float(), torch.zeros(4096)]          # each weight, then a gap
+        offset += p.numel() + 4096
+    blob = read_only(torch.cat(parts))
+    for n, p in named:
+        owner = managed.get_submodule(n.rpartition(".")[0]) if "." in n else managed
+        setattr(owner, n.rpartition(".")[2], nn.Parameter(blob[where[n]:where[n] + p.numel()].view(p.shape),
+                                                          requires_grad=False))
+    tr = CountingPin()
+    store = PinnedStore(tr, "auto", has_cuda=True, available_ram_bytes=1 << 40, os_name="linux")
+    h = apply_phase_offload(managed, PhaseConfig(name="dit"), tr, store)
+    pin = h.report()["pin"]
+    weights = sum(p.nbytes for _, p in named)
+    assert pin["pinned"] and weights <= pin["copied_bytes"] < weights + 64 * len(named), pin
+    assert all(not (blob.data_ptr() <= p.data_ptr() < blob.data_ptr() + blob.nbytes) for p in managed.parameters())
+    for _ in range(2):
+        with h.phase():
+            assert torch.equal(managed(ids), plain(ids))
+    assert torch.equal(managed(ids), plain(ids))
+
+
 def test_weights_in_read_only_memory_get_pinned_copies(ids, read_only):
     """Weights a GGUF file or ComfyUI's memory-mapped loader hands over sit in a read-only file mapping, which
     cannot be page-locked in place: the masters become writable copies (pinned), the module points at them, and

@@ -233,20 +233,45 @@ def test_read_only_groups_are_copied_into_writable_memory_before_pinning(read_on
                               out.relocated[2].host.data_ptr()}
 
 
-@pytest.mark.parametrize("case", ["off", "no_cuda", "pin_fails", "views"])
+@pytest.mark.parametrize("case", ["off", "no_cuda", "pin_fails"])
 def test_read_only_memory_stays_the_master_when_nothing_is_pinned(read_only, case):
-    """Off, no CUDA or a read-only block with gaps: nothing is copied. A failed pin: the copy made for it is
-    dropped, and the component keeps its original memory (no relocation reported)."""
+    """Off or no CUDA: nothing is copied. A failed pin: the copy made for it is dropped, and the component keeps
+    its original memory (no relocation reported)."""
     blob = read_only(torch.randn(4096))
-    named = [("a", blob[:64]), ("b", blob[4000:])] if case == "views" else [("a", blob)]
     tr = PinningTransport(fail_after=0 if case == "pin_fails" else None)
     store = PinnedStore(tr, "off" if case == "off" else "auto", None, available_ram_bytes=64 * GIB,
                         total_ram_bytes=128 * GIB, os_name="linux", has_cuda=case != "no_cuda")
-    out = store.pin_component("dit", group_by_storage(named))
+    out = store.pin_component("dit", group_by_storage([("a", blob)]))
     assert not out.pinned and out.relocated == {} and out.copied_bytes == 0
     assert blob.data_ptr() not in tr.pinned
-    if case == "views":
-        assert "read-only" in out.reason and tr.pinned == []
+
+
+def test_read_only_views_with_gaps_are_copied_without_the_gaps(read_only):
+    """Views into a larger read-only block (a component's tensors in a file that holds other components' tensors
+    between them) stayed pageable: copying the whole block would take more RAM than the weights. Only the bytes the
+    views touch are copied now, packed, each view at a whole element offset, and that copy is pinned. A slice of a
+    weight stays inside the weight's range (tied)."""
+    from comfyui_levers.core.residency.transport import HostMaps
+
+    values = torch.randn(4096)
+    blob = read_only(values)
+    named = [("a", blob[:64]), ("a_half", blob[:32]), ("b", blob[4000:].view(8, 12)), ("c", blob[1001:1003])]
+    groups = group_by_storage(named)
+    assert len(groups) == 1 and groups[0].per_tensor
+    tr = PinningTransport()
+    out = _store(tr).pin_component("dit", groups)
+    assert out.pinned and sorted(out.relocated) == [0]
+    g = out.relocated[0]
+    assert not g.per_tensor and g.span_start == 0
+    assert (64 + 96 + 2) * 4 <= out.copied_bytes < (64 + 96 + 2) * 4 + 3 * 64     # the views, not 16 KiB
+    assert set(tr.pinned) == {g.host.data_ptr()} and HostMaps.read().writable(g.host.data_ptr(), g.host.numel())
+    views = {r.name: g.host_view(r) for r in g.refs}
+    assert torch.equal(views["a"], values[:64]) and torch.equal(views["b"], values[4000:].view(8, 12))
+    assert torch.equal(views["c"], values[1001:1003]) and views["a_half"].data_ptr() == views["a"].data_ptr()
+    # any old offset of a kept byte is found in the copy; a byte of a gap is not
+    assert g.translate(4000 * 4) == views["b"].data_ptr() - g.host.data_ptr()
+    with pytest.raises(KeyError):
+        g.translate(2000 * 4)
 
 
 def test_pin_in_place_refuses_read_only_memory_and_consumes_the_error_a_failed_register_leaves(read_only,

@@ -672,7 +672,7 @@ class MasterTable:
             g = old_to_new.get(storage_key(x))
             if g is None:
                 return None
-            return g.host_view(TensorRef("", x.storage_offset() * x.element_size(), tuple(x.size()),
+            return g.host_view(TensorRef("", g.translate(x.storage_offset() * x.element_size()), tuple(x.size()),
                                          tuple(x.stride()), x.dtype))
 
         rebuilt: dict[int, tuple | None] = {}          # old host wrapper id -> (leaves, wrapper) around the copies

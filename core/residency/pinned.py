@@ -153,6 +153,18 @@ class StorageGroup:
     span_start: int
     refs: list[TensorRef] = field(default_factory=list)
     per_tensor: bool = False
+    # a compacted copy of a sparse span (``compact``): (old start, old end, new start) per byte range it kept, so a
+    # byte offset into the original storage can still be found in ``host``
+    remap: tuple[tuple[int, int, int], ...] = ()
+
+    def translate(self, byte_offset: int) -> int:
+        """Where the byte at ``byte_offset`` of the original storage sits now (itself, unless compacted)."""
+        for old, end, new in self.remap:
+            if old <= byte_offset < end:
+                return new + byte_offset - old
+        if self.remap:
+            raise KeyError(f"byte {byte_offset} is in none of the ranges this copy kept")
+        return byte_offset
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +187,42 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)
     start = t.storage_offset() * itemsize
     return start, start + extent * itemsize
+
+
+def _ref_span(r: TensorRef) -> tuple[int, int]:
+    """[start, end) in bytes of the storage ``r`` can touch."""
+    itemsize = torch.empty((), dtype=r.dtype).element_size()
+    if any(s == 0 for s in r.size):
+        return r.byte_offset, r.byte_offset
+    extent = 1 + sum((s - 1) * st for s, st in zip(r.size, r.stride))
+    return r.byte_offset, r.byte_offset + extent * itemsize
+
+
+def compact(g: StorageGroup) -> StorageGroup:
+    """A writable copy of a sparse group's views only: the byte ranges its tensors touch (overlapping ones merged, so
+    a weight and a slice of it stay one range and stay tied), packed one after another into a fresh buffer, each
+    starting at its old offset modulo ``SPAN_ALIGN`` so every view's element offset stays whole. The refs point
+    into the copy; ``remap`` finds any old offset in it. The gaps (other components' tensors in the same file
+    mapping) are not copied."""
+    spans = sorted(_ref_span(r) for r in g.refs)
+    merged: list[list[int]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    remap, cursor = [], 0
+    for s, e in merged:
+        cursor += (s % SPAN_ALIGN - cursor % SPAN_ALIGN) % SPAN_ALIGN     # same offset modulo SPAN_ALIGN
+        remap.append((s, e, cursor))
+        cursor += e - s
+    with torch.inference_mode(False):
+        copy = torch.empty(max(cursor, 1), dtype=torch.uint8)                # [packed bytes] uint8, writable
+        for s, e, new in remap:
+            copy[new:new + e - s].copy_(g.host[s - g.span_start:e - g.span_start])
+    out = StorageGroup(key=storage_key(copy), host=copy, span_start=0, refs=[], remap=tuple(remap))
+    out.refs = [TensorRef(r.name, out.translate(r.byte_offset), r.size, r.stride, r.dtype) for r in g.refs]
+    return out
 
 
 def group_by_storage(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[StorageGroup]:
@@ -273,7 +321,7 @@ class PinnedStore:
                      and maps.writable(g.host.data_ptr(), g.host.numel()) is False}
         # copies of read-only memory are new, unswappable RAM, where the file's pages were reclaimable page cache:
         # the RAM rule sees the available RAM without them
-        copies = sum(groups[i].host.numel() for i in read_only)
+        copies = sum(groups[i].nbytes for i in read_only)     # a sparse group copies its views only
         outcome = self._decide(component, need, total, already, bool(ours), copies)
         if outcome is not None:
             self.outcomes[component] = outcome
@@ -319,9 +367,9 @@ class PinnedStore:
         out: dict[int, StorageGroup] = {}
         for i in sorted(read_only):
             g = groups[i]
-            if g.per_tensor:
-                return PinOutcome(component, False, f"pageable: views into a larger block of {READ_ONLY_REASON}",
-                                  sum(x.nbytes for x in groups))
+            if g.per_tensor:       # views with gaps (other tensors of the same file between them): only the views
+                out[i] = compact(g)
+                continue
             with torch.inference_mode(False):
                 copy = torch.empty(g.host.numel(), dtype=torch.uint8)    # [span] uint8, writable
                 copy.copy_(g.host)
