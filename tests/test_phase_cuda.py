@@ -160,6 +160,40 @@ def test_cuda_read_only_weights_are_copied_then_pinned_and_a_failed_register_lea
     h.remove()
 
 
+@needs_cuda
+def test_cuda_read_only_views_with_gaps_are_packed_pinned_and_bit_exact(tmp_path):
+    """Weights that are views into one read-only mapping with gaps between them (a file holding other tensors too):
+    only the views are copied, into one packed buffer that is pinned; the phase runs bit-exact from it."""
+    import warnings
+
+    import numpy as np
+
+    plain = _model().cuda()
+    x = torch.randn(8, 256, device="cuda")
+    want = _run(plain, x)
+    m = _model()
+    ws = [m[i].weight.detach().contiguous() for i in (0, 2)]
+    gap = np.zeros(1 << 18, dtype=np.float32)                     # 1 MiB of other tensors between them
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"".join(np.concatenate([w.numpy().reshape(-1), gap]).tobytes() for w in ws))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        blob = torch.from_numpy(np.memmap(path, mode="r", dtype=np.float32))
+    off = 0
+    for i, w in zip((0, 2), ws):
+        m[i].weight.data = blob[off:off + w.numel()].view(w.shape)
+        off += w.numel() + gap.size
+    tr = RecordingTransport(CudaTransport("cuda"))
+    h = apply_phase_offload(m, PhaseConfig(name="dit", pin="on"), tr, PinnedStore(tr, "on"))
+    pin = h.report()["pin"]
+    assert pin["pinned"] and sum(w.nbytes for w in ws) <= pin["copied_bytes"] < blob.nbytes, pin
+    assert all(m[i].weight.is_pinned() for i in (0, 2))
+    for _ in range(2):
+        with h.phase():
+            assert torch.equal(_run(m, x), want)
+    h.remove()
+
+
 def bench(gib: float = 4.0, layers: int = 16) -> dict:
     """Onload/offload a bf16 stack of ``gib`` GiB; compare with a raw pinned copy of the same size."""
     per = int(gib * 1024 ** 3 / layers / 2)              # bf16 elements per layer
