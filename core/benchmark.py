@@ -596,6 +596,20 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def check_out_file(out: str) -> str | None:
+    """Why the JSON result cannot be written to ``out`` (None when it can); checked before the benchmark runs."""
+    path = Path(out)
+    if path.is_dir():
+        return f"--out {out} is a folder; name the JSON file to write, e.g. {path / 'bench.json'}"
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        return f"--out {out}: the folder {parent} does not exist; create it first"
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(parent, os.W_OK | os.X_OK)
+    if not writable:
+        return f"--out {out}: no permission to write there"
+    return None
+
+
 def run(args) -> int:
     if not args.cpu:
         print("levers bench: pass --cpu for the CPU benchmark; GPU numbers come from "
@@ -606,12 +620,28 @@ def run(args) -> int:
     if unknown:
         print(f"levers bench: --sections: unknown {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
+    if not sections:
+        print(f"levers bench: --sections {args.sections!r} names no section; choose from {', '.join(SECTIONS)} "
+              f"(comma-separated)", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"levers bench: --threads {args.threads}: expected a number of threads >= 1 (omit it for torch's "
+              f"choice, {torch.get_num_threads()} here)", file=sys.stderr)
+        return 2
+    out_problem = check_out_file(args.out) if args.out else None
+    if out_problem:
+        print(f"levers bench: {out_problem}; nothing was run", file=sys.stderr)
+        return 2
     if args.threads:
-        torch.set_num_threads(max(1, args.threads))
+        torch.set_num_threads(args.threads)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     result = run_bench(QUICK if args.quick else FULL, sections, args.machine_name, log=log)
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
     print(text if args.json else format_text(result))
+    if args.out:
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as exc:        # checked before the run, so the disk filled up or the folder went away
+            print(f"levers bench: could not write --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0 if not result["skipped"] else 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import math
 import os
@@ -35,8 +36,8 @@ DEFAULT_SERVER = "http://127.0.0.1:8188"
 
 # Exit codes of `levers run` (documented in README.md, "Headless: levers run").
 EXIT_OK = 0
-EXIT_FAILED = 1          # ComfyUI rejected the prompt or execution failed / was interrupted
-EXIT_INVALID = 2         # the workflow or a --set is invalid (nothing was submitted)
+EXIT_FAILED = 1          # ComfyUI rejected the prompt or skipped an output of it, or execution failed / was interrupted
+EXIT_INVALID = 2         # the workflow, a --set, --server or --out is invalid (nothing was submitted)
 EXIT_UNREACHABLE = 3     # no ComfyUI answered at --server
 EXIT_TIMEOUT = 124       # --timeout elapsed; the prompt may still be running on the server
 EXIT_INTERRUPTED = 130   # Ctrl-C (the prompt is interrupted on the server)
@@ -68,6 +69,15 @@ class ServerUnreachable(LeversError, ConnectionError):
         super().__init__(
             f"cannot reach ComfyUI at {url} ({reason}). Start it (e.g. `python main.py --listen 127.0.0.1 "
             f"--port 8188`) or point --server / COMFYUI_URL at the running server.")
+
+
+class BadServerURL(LeversError, ValueError):
+    """--server / COMFYUI_URL is not an http(s) URL a client can connect to (nothing was contacted)."""
+
+    def __init__(self, url: str, reason: str):
+        self.url, self.reason = url, reason
+        super().__init__(f"--server {url!r} is not a usable ComfyUI URL: {reason}. Expected e.g. "
+                         f"http://127.0.0.1:8188 (from --server or COMFYUI_URL)")
 
 
 class PromptRejected(LeversError, RuntimeError):
@@ -224,13 +234,82 @@ def is_ui_format(workflow: dict) -> bool:
     return isinstance(workflow, dict) and isinstance(workflow.get("nodes"), list) and "links" in workflow
 
 
+LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
+
+
+def _is_id(value) -> bool:
+    """A node or link id as the frontend writes it: an integer or a string."""
+    return isinstance(value, (int, str)) and not isinstance(value, bool)
+
+
+def _is_slot(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ui_structure(ui: dict) -> list[str]:
+    """What a UI workflow must hold for the conversion to read it: node objects with ids, well-formed links.
+
+    Reports each malformed node or link by its position, so a hand-edited or truncated file gets one
+    line per problem instead of a KeyError from deep inside the conversion.
+    """
+    problems = []
+    for i, node in enumerate(ui.get("nodes") or []):
+        if not isinstance(node, dict):
+            problems.append(f"nodes[{i}] is {node!r}, not a node object ({{\"id\": ..., \"type\": ...}})")
+            continue
+        kind = node.get("type", "no type")
+        where = f"nodes[{i}] ({kind})"
+        if "id" not in node:
+            problems.append(f"{where} has no 'id'")
+        elif not _is_id(node["id"]):
+            problems.append(f"{where} has id {node['id']!r}: expected an integer or a string")
+        else:
+            where = f"node {node['id']} ({kind})"
+        if not isinstance(node.get("type"), str):
+            problems.append(f"{where} has no 'type' (the node class, e.g. \"KSampler\")")
+        for key in ("inputs", "outputs"):
+            entries = node.get(key)
+            if entries is not None and not (isinstance(entries, list) and all(isinstance(e, dict) for e in entries)):
+                problems.append(f"{where}: '{key}' must be a list of objects, got {entries!r}")
+        for inp in node.get("inputs") if isinstance(node.get("inputs"), list) else []:
+            if isinstance(inp, dict) and inp.get("link") is not None and not _is_id(inp["link"]):
+                problems.append(f"{where}: input {inp.get('name')!r} has link {inp['link']!r}: expected a link id")
+    links = ui.get("links")
+    if links is not None and not isinstance(links, list):
+        return problems + [f"'links' must be a list, got {type(links).__name__}"]
+    for i, link in enumerate(links or []):
+        if isinstance(link, dict):
+            missing = [k for k in LINK_FIELDS[:3] if k not in link]
+            if missing:
+                problems.append(f"links[{i}] (link {link.get('id', '?')}) has no {', '.join(map(repr, missing))}: "
+                                f"a link object needs {', '.join(LINK_FIELDS[:5])}")
+                continue
+            values = [link[k] for k in LINK_FIELDS[:3]]
+        elif isinstance(link, list):
+            if len(link) < 5:
+                problems.append(f"links[{i}] {link!r} is too short: expected [{', '.join(LINK_FIELDS)}]")
+                continue
+            values = link[:3]
+        else:
+            problems.append(f"links[{i}] is {link!r}: expected [{', '.join(LINK_FIELDS)}] or an object")
+            continue
+        link_id, origin_id, origin_slot = values
+        if not (_is_id(link_id) and _is_id(origin_id) and _is_slot(origin_slot)):
+            problems.append(f"links[{i}] (link {link_id!r}): id and origin_id must be integers or strings and "
+                            f"origin_slot an integer, got {link_id!r}, {origin_id!r}, {origin_slot!r}")
+    return problems
+
+
 def _link_table(ui: dict) -> dict[int, tuple]:
-    """link id -> (origin_id, origin_slot, target_id, target_slot, type); both link encodings."""
+    """link id -> (origin_id, origin_slot, target_id, target_slot, type); both link encodings.
+
+    Expects a workflow that passed ``_check_ui_structure``.
+    """
     table = {}
     for link in ui.get("links") or []:
         if isinstance(link, dict):
-            table[link["id"]] = (link["origin_id"], link["origin_slot"], link["target_id"],
-                                 link["target_slot"], link.get("type"))
+            table[link["id"]] = (link["origin_id"], link["origin_slot"], link.get("target_id"),
+                                 link.get("target_slot"), link.get("type"))
         else:
             table[link[0]] = tuple(link[1:6])
     return table
@@ -252,9 +331,15 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
     """
     if not is_ui_format(ui_workflow):
         raise WorkflowError("not a UI-format workflow (expected 'nodes' and 'links')")
+    malformed = _check_ui_structure(ui_workflow)
+    if malformed:
+        raise WorkflowError("the UI workflow is malformed (re-save it from ComfyUI, or fix these entries):",
+                            malformed)
     nodes = {n["id"]: n for n in ui_workflow["nodes"]}
     links = _link_table(ui_workflow)
-    subgraphs = {sg.get("id") for sg in (ui_workflow.get("definitions") or {}).get("subgraphs", [])}
+    definitions = ui_workflow.get("definitions")
+    subgraphs = {sg.get("id") for sg in (definitions.get("subgraphs") or [] if isinstance(definitions, dict) else [])
+                 if isinstance(sg, dict)}
     problems: list[str] = []
 
     def resolve(link_id, depth=0):
@@ -418,10 +503,72 @@ def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = Fa
         for spec in specs.values():
             if spec.required and spec.name not in inputs:
                 problems.append(f"{label}: required input {spec.name!r} ({spec.type_name}) is missing")
+    outputs = [i for i, n in api.items() if isinstance(n, dict)
+               and (object_info.get(n.get("class_type")) or {}).get("output_node")]
+    problems.extend(_describe_cycle(api, cycle) for cycle in dependency_cycles(api, outputs))
     if not has_output and not problems:
         problems.append("the prompt has no output node (SaveImage, PreviewImage, SaveLatent, ...): "
                         "ComfyUI would run nothing")
     return problems
+
+
+def _link_inputs(api: dict, node_id: str) -> list[tuple[str, str]]:
+    """(input name, source node id) for each input of ``node_id`` linked to a node of the prompt."""
+    node = api.get(node_id)
+    inputs = node.get("inputs") if isinstance(node, dict) else None
+    if not isinstance(inputs, dict):
+        return []
+    return [(name, str(v[0])) for name, v in inputs.items() if _is_link(v) and str(v[0]) in api]
+
+
+def dependency_cycles(api: dict, roots: Iterable[str]) -> list[list[tuple[str, str]]]:
+    """Dependency cycles among the nodes ``roots`` need, as ComfyUI's validation walks them (from the
+    output nodes up through the links). Each cycle is a list of (node id, input name): that node's
+    input links to the next node of the list, the last one's to the first. Each cycle is listed once."""
+    cycles: list[list[tuple[str, str]]] = []
+    found: set[frozenset] = set()
+    done: set[str] = set()
+    for root in roots:
+        if root in done or root not in api:
+            continue
+        path: list[tuple[str, str]] = []             # (node, input followed to the next node on the path)
+        on_path = {root: 0}
+        stack = [(root, iter(_link_inputs(api, root)))]
+        while stack:
+            node_id, edges = stack[-1]
+            edge = next(edges, None)
+            if edge is None:
+                stack.pop()
+                on_path.pop(node_id, None)
+                done.add(node_id)
+                if path:
+                    path.pop()
+                continue
+            name, source = edge
+            if source in on_path:
+                cycle = path[on_path[source]:] + [(node_id, name)]
+                key = frozenset(cycle)
+                if key not in found:
+                    found.add(key)
+                    cycles.append(cycle)
+            elif source not in done:
+                path.append((node_id, name))
+                on_path[source] = len(path)
+                stack.append((source, iter(_link_inputs(api, source))))
+    return cycles
+
+
+def _describe_cycle(api: dict, cycle: list[tuple[str, str]]) -> str:
+    def label(node_id):
+        return f"node {node_id} ({api[node_id].get('class_type')})"
+
+    if len(cycle) == 1:
+        node_id, name = cycle[0]
+        return (f"{label(node_id)}: input {name!r} links to the node's own output, a dependency cycle ComfyUI "
+                f"refuses; link it to another node's output")
+    chain = " <- ".join(f"{label(node_id)} input {name!r}" for node_id, name in cycle)
+    return (f"dependency cycle: {chain} <- {label(cycle[0][0])}: each of these nodes waits for another's output, "
+            f"which ComfyUI refuses; remove or rewire one of these links")
 
 
 def _is_link(value) -> bool:
@@ -435,6 +582,9 @@ def _check_value(label, spec: InputSpec, value, api, object_info, allow_missing_
         source = api.get(str(value[0]))
         if source is None:
             return [f"{where} links to node {value[0]}, which is not in the prompt"]
+        if not isinstance(value[0], str):
+            return [f"{where} links to node {value[0]} by a number: ComfyUI looks node ids up as strings and "
+                    f"refuses it; write [\"{value[0]}\", {value[1]}] (`levers run` converts it itself)"]
         source_info = object_info.get(source.get("class_type"))
         if source_info is None:
             return []  # reported on that node
@@ -643,10 +793,30 @@ def _seconds(text: str) -> float:
 
 
 def normalize_server(url: str) -> str:
-    url = url.strip().rstrip("/")
+    """``host:port`` or an http(s) URL -> ``http[s]://host:port[/path]``; raises BadServerURL.
+
+    Checked before anything is sent: a typo in the port otherwise surfaces as http.client's
+    InvalidURL traceback, and another scheme (ftp://) as a long timeout in urllib's handler for it.
+    """
+    given = url
+    url = url.strip()
     if "://" not in url:
         url = "http://" + url
-    return url
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port                    # raises ValueError for "8l88" or a port out of range
+    except ValueError as exc:
+        raise BadServerURL(given, f"{exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise BadServerURL(given, f"only http:// and https:// are supported, not {parts.scheme}://")
+    if not parts.hostname:
+        raise BadServerURL(given, "it names no host")
+    if any(ch.isspace() or ord(ch) < 32 for ch in url):
+        raise BadServerURL(given, "it contains spaces or control characters")
+    if parts.query or parts.fragment:
+        raise BadServerURL(given, "it has a query or fragment; give the server's base URL")
+    del port
+    return url.rstrip("/")
 
 
 class ComfyClient:
@@ -668,6 +838,9 @@ class ComfyClient:
         except (urllib.error.URLError, ConnectionError, socket.timeout, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServerUnreachable(self.server, str(reason)) from None
+        except http.client.HTTPException as exc:     # something that does not speak HTTP answered
+            raise ServerUnreachable(self.server, f"the answer is not HTTP ({type(exc).__name__}: {exc}); "
+                                                 f"is this a ComfyUI server?") from None
 
     def get_json(self, path: str):
         status, payload = self._request("GET", path)
@@ -681,14 +854,20 @@ class ComfyClient:
     def object_info(self) -> dict:
         return self.get_json("/object_info")
 
-    def submit(self, api: dict, client_id: str) -> str:
+    def submit(self, api: dict, client_id: str) -> tuple[str, dict]:
+        """Queue ``api``; returns (prompt id, node_errors).
+
+        ComfyUI queues a prompt when at least one output passes its validation and answers 200 with
+        the failures of the others in ``node_errors`` (those outputs are skipped); all failing is a 400.
+        """
         status, payload = self._request("POST", "/prompt", {"prompt": api, "client_id": client_id})
         try:
             answer = json.loads(payload)
         except json.JSONDecodeError:
             answer = {}
-        if status == 200 and "prompt_id" in answer:
-            return answer["prompt_id"]
+        if status == 200 and isinstance(answer, dict) and "prompt_id" in answer:
+            node_errors = answer.get("node_errors")
+            return answer["prompt_id"], node_errors if isinstance(node_errors, dict) else {}
         if isinstance(answer, dict) and ("error" in answer or "node_errors" in answer):
             raise PromptRejected(answer.get("error") or {}, answer.get("node_errors") or {}, api)
         raise LeversError(f"POST /prompt answered HTTP {status}: {payload[:500].decode(errors='replace')}")
@@ -907,11 +1086,14 @@ def _needed_nodes(api: dict) -> set[str]:
 @dataclass
 class RunResult:
     prompt_id: str
-    status: str                                   # "success" | "error" | "interrupted" | "timeout"
+    # "success" | "partial" (ran, but ComfyUI skipped outputs that failed its validation: node_errors)
+    # | "error" | "interrupted" | "timeout"
+    status: str
     files: list[str] = field(default_factory=list)
     reports: dict[str, list[str]] = field(default_factory=dict)   # "#id title" -> texts
     error: dict | None = None
     outputs: dict = field(default_factory=dict)
+    node_errors: dict = field(default_factory=dict)              # ComfyUI's, for the outputs it skipped
 
 
 def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: float | None = None,
@@ -928,7 +1110,7 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
         except (OSError, WebSocketClosed):
             ws = None  # fall back to polling /history
     try:
-        prompt_id = client.submit(api, client_id)
+        prompt_id, node_errors = client.submit(api, client_id)
         deadline = None if not timeout else time.monotonic() + timeout
         try:
             status, error = _follow(client, ws, prompt_id, progress, deadline, poll_interval)
@@ -939,13 +1121,15 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
         progress.finish()
         if ws is not None:
             ws.close()
-    result = RunResult(prompt_id=prompt_id, status=status, error=error)
+    result = RunResult(prompt_id=prompt_id, status=status, error=error, node_errors=node_errors)
     if status == "timeout":
         return result
     entry = _final_history(client, prompt_id)
     result.outputs = entry.get("outputs") or {}
     if status == "success" and (entry.get("status") or {}).get("status_str") == "error":
         status = result.status = "error"
+    if status == "success" and node_errors:
+        status = result.status = "partial"
     if result.error is None and status != "success":
         result.error = _error_from_history(entry)
     result.reports = collect_reports(api, result.outputs)
@@ -1111,14 +1295,35 @@ def format_prompt_error(error: dict, node_errors: dict, api: dict) -> str:
         lines.append(f"ComfyUI rejected the prompt: {head}" + (f": {details}" if details else ""))
     else:
         lines.append("ComfyUI rejected the prompt")
-    for node_id, info in (node_errors or {}).items():
-        node = api.get(str(node_id), {})
-        title = node.get("_meta", {}).get("title") or info.get("class_type") or node.get("class_type", "?")
-        for err in info.get("errors", []):
-            msg = err.get("message", "")
-            details = err.get("details")
-            lines.append(f"  - node {node_id} ({title}): {msg}" + (f": {details}" if details else ""))
+    lines += format_node_errors(node_errors, api)
     return "\n".join(lines)
+
+
+def _api_label(api: dict, node_id, class_type=None) -> str:
+    node = api.get(str(node_id), {}) if isinstance(api.get(str(node_id)), dict) else {}
+    kind = class_type or node.get("class_type") or "?"
+    title = (node.get("_meta") or {}).get("title")
+    return f"node {node_id} ({kind}{', ' + repr(title) if title and title != kind else ''})"
+
+
+def format_node_errors(node_errors: dict, api: dict) -> list[str]:
+    """One "  - node ID (Class, 'title'): message: details" line per error ComfyUI listed."""
+    lines = []
+    for node_id, info in (node_errors or {}).items():
+        info = info if isinstance(info, dict) else {}
+        label = _api_label(api, node_id, info.get("class_type"))
+        for err in info.get("errors") or [{}]:
+            msg = err.get("message", "") or "failed validation"
+            details = err.get("details")
+            lines.append(f"  - {label}: {msg}" + (f": {details}" if details else ""))
+    return lines
+
+
+def skipped_outputs(node_errors: dict) -> list[str]:
+    """The output nodes ComfyUI did not run because they depend on a node in ``node_errors``."""
+    outs = {str(o) for info in (node_errors or {}).values() if isinstance(info, dict)
+            for o in info.get("dependent_outputs") or []}
+    return sorted(outs, key=_id_sort_key)
 
 
 def format_execution_error(error: dict | None, status: str) -> str:
@@ -1152,11 +1357,25 @@ def resolve_workflow_path(name: str) -> Path:
     raise WorkflowError(f"workflow file {name!r} not found.{hint}")
 
 
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
 def load_workflow(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise WorkflowError(f"cannot read workflow file {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")          # a UTF-8 byte-order mark (some Windows editors) is fine
+    except UnicodeDecodeError as exc:
+        found = "it starts with a UTF-16 byte-order mark" if raw.startswith(_UTF16_BOMS) else (
+            f"byte {exc.start} is not valid UTF-8")
+        raise WorkflowError(f"{path}: not a UTF-8 JSON workflow ({found}); save it as UTF-8 JSON (what ComfyUI's "
+                            f"Save and Export (API) write)") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise WorkflowError(f"{path}: not valid JSON ({exc})") from None
+        raise WorkflowError(f"{path}: not valid JSON ({exc}); expected a UTF-8 JSON workflow") from None
     if isinstance(data, dict) and isinstance(data.get("prompt"), dict) and not is_ui_format(data):
         data = data["prompt"]  # a saved /prompt request body
     if not isinstance(data, dict):
@@ -1166,13 +1385,58 @@ def load_workflow(path: Path) -> dict:
 
 def prepare_prompt(workflow: dict, object_info: dict, sets: Iterable[str] = (), validate: bool = True) -> dict:
     """UI or API workflow + --set assignments -> a checked API prompt; raises WorkflowError."""
-    api = ui_to_api(workflow, object_info) if is_ui_format(workflow) else json.loads(json.dumps(workflow))
+    if is_ui_format(workflow):
+        try:
+            api = ui_to_api(workflow, object_info)
+        except WorkflowError:
+            raise
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            # _check_ui_structure catches the malformed files seen so far; this names any other shape it misses.
+            raise WorkflowError(f"the UI workflow is malformed ({type(exc).__name__}: {exc}); re-save it from "
+                                f"ComfyUI or export it with Workflow > Export (API)") from None
+    else:
+        api = json.loads(json.dumps(workflow))
+    api = normalize_links(api)
     api = apply_sets(api, [parse_set(s) for s in sets], object_info)
     if validate:
         problems = validate_api(api, object_info)
         if problems:
             raise WorkflowError("the workflow is not valid for this ComfyUI (nothing was submitted):", problems)
     return api
+
+
+def normalize_links(api: dict) -> dict:
+    """Links written with a number as node id (``[1, 0]``) as ComfyUI takes them (``["1", 0]``).
+
+    ComfyUI's validation looks the source node up as ``prompt[node_id]`` and the prompt's keys are JSON
+    object keys, i.e. strings: a numeric id fails there ("Exception when validating node"). Only
+    two-element lists whose first item is an integer naming a node of the prompt are touched.
+    """
+    for node in api.values():
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        if not isinstance(inputs, dict):
+            continue
+        for name, value in inputs.items():
+            if _is_link(value) and not isinstance(value[0], (str, bool)) and str(value[0]) in api:
+                inputs[name] = [str(value[0]), value[1]]
+    return api
+
+
+def check_out_dir(out: str) -> str | None:
+    """Why ``--out`` cannot hold the downloads (None when it can), checked before anything is submitted."""
+    path = Path(out)
+    if path.exists():
+        if not path.is_dir():
+            return f"--out {out} is a file, not a folder: name a folder for the downloads (created if missing)"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"--out {out}: cannot write into this folder"
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"--out {out}: {parent} is a file, so the folder cannot be created there"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot create the folder (no write permission in {parent})"
+    return None
 
 
 def register_cli(subparsers) -> argparse.ArgumentParser:
@@ -1204,11 +1468,17 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     """Entry point of ``levers run``; returns the process exit code."""
     err = sys.stderr
-    client = ComfyClient(args.server)
     try:
+        client = ComfyClient(args.server)
+        out_problem = None if args.dry_run else check_out_dir(args.out)
+        if out_problem:
+            raise WorkflowError(out_problem + "; nothing was submitted")
         workflow = load_workflow(resolve_workflow_path(args.workflow))
         object_info = client.object_info()
         api = prepare_prompt(workflow, object_info, args.sets, validate=not args.no_validate)
+    except BadServerURL as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_INVALID
     except ServerUnreachable as exc:
         print(f"error: {exc}", file=err)
         return EXIT_UNREACHABLE
@@ -1237,11 +1507,14 @@ def run(args) -> int:
     except LeversError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_FAILED
-    _print_result(result, args, err)
+    except OSError as exc:       # saving the downloads (the prompt ran on the server)
+        print(f"error: the prompt ran but its outputs could not be saved into {args.out}: {exc}", file=err)
+        return EXIT_FAILED
+    _print_result(result, args, err, api)
     return {"success": EXIT_OK, "timeout": EXIT_TIMEOUT}.get(result.status, EXIT_FAILED)
 
 
-def _print_result(result: RunResult, args, err) -> None:
+def _print_result(result: RunResult, args, err, api: dict | None = None) -> None:
     for title, texts in result.reports.items():
         print(f"--- Levers report: {title}", file=err if args.json_summary else sys.stdout)
         for text in texts:
@@ -1249,6 +1522,17 @@ def _print_result(result: RunResult, args, err) -> None:
     if result.status == "timeout":
         print(f"error: still running after {args.timeout:g} s (prompt {result.prompt_id} stays queued on the "
               f"server; POST /interrupt to stop it)", file=err)
+    elif result.status == "partial":
+        skipped = skipped_outputs(result.node_errors)
+        which = ", ".join(_api_label(api or {}, o) for o in skipped) or "some outputs"
+        print(f"error: ComfyUI skipped {which}: its validation failed on the node(s) below (the other outputs "
+              f"ran):", file=err)
+        for line in format_node_errors(result.node_errors, api or {}):
+            print(line, file=err)
+        if result.files:
+            print(f"saved {len(result.files)} file(s) from the outputs that ran into {args.out}", file=err)
+            for path in result.files:
+                print(f"  {path}", file=err)
     elif result.status != "success":
         print(f"error: {format_execution_error(result.error, result.status)}", file=err)
         tb = (result.error or {}).get("traceback")
@@ -1261,4 +1545,5 @@ def _print_result(result: RunResult, args, err) -> None:
             print(f"  {path}", file=err)
     if args.json_summary:
         print(json.dumps({"prompt_id": result.prompt_id, "status": result.status, "files": result.files,
-                          "reports": result.reports, "error": result.error}, indent=2, default=str))
+                          "reports": result.reports, "error": result.error, "node_errors": result.node_errors},
+                         indent=2, default=str))

@@ -294,3 +294,26 @@ def test_split_plan_dry_run_plans_packed_bf16_within_the_same_budget():
     device = float(line.split("device ")[1].split(" GiB")[0])
     ratio = float(line.rsplit("(", 1)[1].split("x)")[0])
     assert device <= 7586689420 / 1024 ** 3 and 0.74 < ratio < 0.78, line
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"threads": 0}, "--threads 0: expected a number of threads >= 1"),
+    ({"threads": -3}, "--threads -3: expected a number of threads >= 1"),
+    ({"sections": ","}, "--sections ',' names no section"),
+    ({"sections": " , ,"}, "names no section"),
+    ({"out": "/nonexistent-levers-dir/sub/x.json"}, "the folder /nonexistent-levers-dir/sub does not exist"),
+    ({"out": "."}, "is a folder; name the JSON file"),
+])
+def test_bench_refuses_arguments_it_cannot_honour_before_running(change, needle, monkeypatch, capsys):
+    """Found in review: --threads 0 / -3 were taken as torch's choice / 1, --sections , ran nothing and exited 0,
+    and an --out in a missing folder failed only after the whole benchmark had run."""
+    def not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(benchmark, "run_bench", not_run)
+    ns = argparse.Namespace(cpu=True, quick=True, json=False, out=None, sections="recommend", machine_name=None,
+                            threads=None)
+    for key, value in change.items():
+        setattr(ns, key, value)
+    assert benchmark.run(ns) == 2
+    assert needle in capsys.readouterr().err

@@ -96,3 +96,86 @@ def test_demo_size_that_the_tiny_pipeline_cannot_take_is_named(size, capsys):
         main(["demo", "--size", size])
     assert e.value.code == 2
     assert "--size" in capsys.readouterr().err
+
+
+def _tiny_pipeline(size: int, steps: int):
+    import torch
+
+    from comfyui_levers.core import demo
+
+    dit = demo.init_random_(demo.TinyDiT(), 0).eval()
+    decoder = demo.init_random_(demo.TinyDecoder(), 1).eval()
+    latent = torch.randn(1, 4, size // 8, size // 8, generator=torch.Generator().manual_seed(0))
+    ref = demo.sample(dit, latent, steps)
+    with torch.no_grad():
+        image_ref = decoder(ref)
+    return dit, decoder, latent, ref, image_ref, steps
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_demo_prefetch_counts_a_steady_step_apart_from_the_resident_groups_one_time_load(steps):
+    """Found in review: at --steps 1 "streamed per step" was all 8 blocks: the resident group's first load
+    was divided over the steps. 8 blocks in groups of 2 with 1 resident group stream 6 blocks a step."""
+    from comfyui_levers.core.demo import _lever_prefetch
+
+    line, info = _lever_prefetch(*_tiny_pipeline(32, steps))
+    assert info["h2d_bytes_per_step"] == 6 * info["block_bytes"]
+    assert info["h2d_bytes_once"] == 2 * info["block_bytes"]
+    assert info["h2d_bytes_total"] == steps * info["h2d_bytes_per_step"] + info["h2d_bytes_once"]
+    assert "streamed per step (6 blocks) after a one-time" in line and "(2 blocks)" in line
+
+
+@pytest.mark.parametrize("size, tiles", [(128, 9), (48, 4), (32, 1)])
+def test_demo_reports_the_tiles_the_decode_ran(size, tiles):
+    """Found in review: the report said (h // tile) * (w // tile) = 4 tiles where the overlapping grid has 9."""
+    from comfyui_levers.core.demo import _lever_tiled_vae
+    from comfyui_levers.core.tiling import make_grid
+
+    line, info = _lever_tiled_vae(*_tiny_pipeline(size, 1))
+    h = size // 8
+    tile = max(4, h // 2)
+    assert info["tiles"] == tiles == len(make_grid(h, h, (tile, tile), max(2, tile // 4), 8, margin_px=16.0))
+    assert line.startswith(f"{tiles} tile{'s' if tiles > 1 else ''} of {tile * 8}px")
+
+
+def _tiny_checkpoint(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "in.safetensors"
+    save_file({f"blocks.{i}.self_attn.q.weight": torch.randn(64, 64, dtype=torch.bfloat16) for i in range(2)},
+              str(path))
+    return str(path)
+
+
+def test_quantize_into_a_folder_it_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """Found in review: OUT in a folder without write permission (/sys as root) ended in a PermissionError
+    traceback. Root ignores chmod, so the refusal is simulated where the writer creates its file."""
+    from comfyui_levers.core.quant import checkpoint
+
+    def refuse(*args, dir=None, **kwargs):
+        raise PermissionError(13, "Permission denied", f"{dir}/.levers-data-x")
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", refuse)
+    out = tmp_path / "o.safetensors"
+    code, _, err = run(capsys, "quantize", _tiny_checkpoint(tmp_path), str(out), "--format", "fp8", "--no-sqnr")
+    assert code == 2
+    assert err.startswith(f"error: cannot write OUT {out} (Permission denied"), err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_quantize_checks_in_and_out_before_loading_the_backend(tmp_path, monkeypatch, capsys):
+    """Found in review: `--format int8` with a mistyped IN printed torchao's library-loading warnings first."""
+    from comfyui_levers.core.quant import checkpoint
+
+    def backend(*args, **kwargs):
+        raise AssertionError("the backend was looked up before the paths were checked")
+
+    monkeypatch.setattr(checkpoint, "get_quantizer", backend)
+    code, _, err = run(capsys, "quantize", str(tmp_path / "missing.safetensors"), str(tmp_path / "o.safetensors"),
+                       "--format", "int8")
+    assert code == 2 and "missing.safetensors does not exist" in err
+    (tmp_path / "o.safetensors").write_text("x")
+    code, _, err = run(capsys, "quantize", _tiny_checkpoint(tmp_path), str(tmp_path / "o.safetensors"),
+                       "--format", "int8")
+    assert code == 3 and "exists; pass --force" in err

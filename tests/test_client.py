@@ -333,6 +333,9 @@ class FakeComfy:
         self.object_info = object_info
         self.websocket = websocket
         self.mode = "ok"
+        # ComfyUI's answer when only some outputs fail its validation: 200 + these node_errors, and it runs
+        # the prompt without the failing nodes and the outputs that depend on them.
+        self.node_errors: dict = {}
         self.prompts: list[dict] = []
         self.history: dict[str, dict] = {}
         self.files: dict[tuple, bytes] = {}
@@ -487,10 +490,13 @@ class FakeComfy:
                                            "details": "unet_name: 'tiny.safetensors' not in []"}],
                                            "class_type": "UNETLoader"}}}, 400)
                 pid = str(uuid.uuid4())
+                skipped = set(fake.node_errors) | {o for e in fake.node_errors.values()
+                                                   for o in e.get("dependent_outputs", [])}
+                runnable = {k: v for k, v in body["prompt"].items() if k not in skipped}
                 if fake.mode != "hang":
-                    threading.Thread(target=fake.execute, args=(pid, body["prompt"], body.get("client_id")),
+                    threading.Thread(target=fake.execute, args=(pid, runnable, body.get("client_id")),
                                      daemon=True).start()
-                return self._json({"prompt_id": pid, "number": len(fake.prompts), "node_errors": {}})
+                return self._json({"prompt_id": pid, "number": len(fake.prompts), "node_errors": fake.node_errors})
 
         return Handler
 
@@ -674,7 +680,7 @@ def test_set_reaches_inputs_whose_names_hold_dots():
     out = C.apply_sets(api, [C.parse_set("2.format.crf=30"), C.parse_set("Save.fps=12"),
                              C.parse_set("Load v1.2.image=a.png")], MINI_OI)
     assert out["2"]["inputs"]["format.crf"] == 30.0 and out["2"]["inputs"]["fps"] == 12.0
-    with pytest.raises(C.WorkflowError, match="node 2 \(SaveVideo\) has no input 'format.crf2'"):
+    with pytest.raises(C.WorkflowError, match=r"node 2 \(SaveVideo\) has no input 'format.crf2'"):
         C.apply_sets(api, [C.parse_set("2.format.crf2=30")], MINI_OI)
 
 
@@ -699,3 +705,163 @@ def test_a_negative_timeout_is_refused():
     with pytest.raises(SystemExit):
         p.parse_args(["run", "wf.json", "--timeout", "-1"])
     assert p.parse_args(["run", "wf.json", "--timeout", "2.5"]).timeout == 2.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Found in review: cycles, partial rejections, malformed input, bad --server / --out
+# ---------------------------------------------------------------------------------------------
+
+def _with_model_patches(links):
+    """_valid_api() with ModelPatch nodes 5, 6 whose 'model' inputs link as given; KSampler reads node 6."""
+    api = _valid_api()
+    for node_id, source in links.items():
+        api[node_id] = {"class_type": "ModelPatch", "inputs": {"model": [source, 0], "strength": 1.0}}
+    api["3"]["inputs"]["model"] = ["6", 0]
+    return api
+
+
+def test_validate_api_names_the_nodes_of_a_dependency_cycle():
+    """ComfyUI refuses a node that (indirectly) needs its own output; the local check passed it (exit 0)."""
+    loop = C.validate_api(_with_model_patches({"5": "6", "6": "5"}), MINI_OI)
+    assert len(loop) == 1 and "dependency cycle" in loop[0], loop
+    assert "node 5 (ModelPatch) input 'model'" in loop[0] and "node 6 (ModelPatch) input 'model'" in loop[0]
+    itself = C.validate_api(_with_model_patches({"6": "6"}), MINI_OI)
+    assert itself == ["node 6 (ModelPatch): input 'model' links to the node's own output, a dependency cycle "
+                      "ComfyUI refuses; link it to another node's output"]
+    assert C.validate_api(_with_model_patches({"5": "1", "6": "5"}), MINI_OI) == []   # a chain is fine
+    # Like ComfyUI, only what an output needs is walked: a loop nothing reads is not an error there.
+    dangling = _with_model_patches({"5": "1", "6": "5"})
+    dangling.update({"7": {"class_type": "ModelPatch", "inputs": {"model": ["8", 0], "strength": 1.0}},
+                     "8": {"class_type": "ModelPatch", "inputs": {"model": ["7", 0], "strength": 1.0}}})
+    assert C.validate_api(dangling, MINI_OI) == []
+
+
+def test_levers_run_refuses_a_cyclic_prompt_before_submitting(tmp_path, capsys):
+    path = tmp_path / "cycle.json"
+    path.write_text(json.dumps(_with_model_patches({"5": "6", "6": "5"})))
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(path), "--server", fake.url, "--dry-run"]) == C.EXIT_INVALID
+        assert _cli(["run", str(path), "--server", fake.url, "--out", str(tmp_path / "o")]) == C.EXIT_INVALID
+    assert fake.prompts == []
+    assert "dependency cycle: node" in capsys.readouterr().err
+
+
+def test_levers_run_exits_1_when_comfyui_skips_an_output_that_failed_its_validation(api_file, tmp_path, capsys):
+    """ComfyUI answers 200 + prompt_id when at least one output is valid, lists the others in node_errors
+    and runs without them; `levers run` printed "done" and exited 0 with the output missing."""
+    out = tmp_path / "o"
+    with FakeComfy(MINI_OI) as fake:
+        fake.node_errors = {"5": {"errors": [{"type": "value_bigger_than_max", "message": "Value 9000 bigger than "
+                                              "max of 8192", "details": "width"}],
+                                  "dependent_outputs": ["5"], "class_type": "LeversRecommend"}}
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--out", str(out), "--json"])
+    assert rc == C.EXIT_FAILED
+    captured = capsys.readouterr()
+    assert "ComfyUI skipped node 5 (LeversRecommend, 'Recommend')" in captured.err
+    assert "  - node 5 (LeversRecommend, 'Recommend'): Value 9000 bigger than max of 8192: width" in captured.err
+    summary = json.loads(captured.out)
+    assert summary["status"] == "partial" and set(summary["node_errors"]) == {"5"}
+    assert len(summary["files"]) == 1 and (out / "x_00001_.latent").is_file()   # the output that ran is saved
+    assert "done:" not in captured.err
+
+
+@pytest.mark.parametrize("ui, needle", [
+    ({"nodes": [{"type": "KSampler"}], "links": []}, "nodes[0] (KSampler) has no 'id'"),
+    ({"nodes": [1, 2], "links": []}, "nodes[0] is 1, not a node object"),
+    ({"nodes": [{"id": 1, "type": "SaveLatent", "inputs": [{"name": "samples", "link": 5}]}], "links": [[5, 2]]},
+     "links[0] [5, 2] is too short: expected [id, origin_id, origin_slot, target_id, target_slot, type]"),
+    ({"nodes": [{"id": 1, "type": "SaveLatent", "inputs": [{"name": "samples", "link": 5}]}], "links": [{"id": 5}]},
+     "links[0] (link 5) has no 'origin_id', 'origin_slot'"),
+    ({"nodes": [{"id": 1, "type": "SaveLatent", "inputs": [{"name": "samples", "link": [5]}]}], "links": []},
+     "node 1 (SaveLatent): input 'samples' has link [5]: expected a link id"),
+    ({"nodes": [{"id": 1, "type": "SaveLatent"}], "links": [[5, 2, "zero", 1, 0, "LATENT"]]},
+     "origin_slot an integer"),
+])
+def test_malformed_ui_workflows_are_named_not_a_traceback(ui, needle, tmp_path, capsys):
+    """These raised KeyError / IndexError / TypeError from ui_to_api and _link_table."""
+    with pytest.raises(C.WorkflowError) as exc:
+        C.ui_to_api(ui, MINI_OI)
+    assert needle in str(exc.value)
+    path = tmp_path / "ui.json"
+    path.write_text(json.dumps(ui))
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(path), "--server", fake.url, "--dry-run"]) == C.EXIT_INVALID
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("server, needle", [
+    ("127.0.0.1:8l88", "Port could not be cast to integer"),      # http.client.InvalidURL traceback before
+    ("http://127.0.0.1:99999", "Port out of range"),
+    ("ftp://127.0.0.1:8188", "only http:// and https:// are supported, not ftp://"),   # timed out before
+    ("http://", "it names no host"),
+])
+def test_a_malformed_server_url_is_refused_before_contacting_anything(server, needle, api_file, capsys):
+    start = time.monotonic()
+    assert _cli(["run", str(api_file), "--server", server]) == C.EXIT_INVALID
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_server_that_does_not_speak_http_is_unreachable_not_a_traceback(api_file, capsys):
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+
+        def answer():
+            conn, _ = srv.accept()
+            conn.recv(4096)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        rc = _cli(["run", str(api_file), "--server", f"127.0.0.1:{srv.getsockname()[1]}"])
+    assert rc == C.EXIT_UNREACHABLE
+    assert "is this a ComfyUI server?" in capsys.readouterr().err
+
+
+def test_out_that_cannot_be_a_folder_is_refused_before_submitting(api_file, tmp_path, capsys):
+    """--out naming a file failed with NotADirectoryError after the prompt had run."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("hi")
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(api_file), "--server", fake.url, "--out", str(a_file)]) == C.EXIT_INVALID
+        assert _cli(["run", str(api_file), "--server", fake.url, "--out", str(a_file / "sub")]) == C.EXIT_INVALID
+        assert _cli(["run", str(api_file), "--server", fake.url, "--out", str(a_file), "--dry-run"]) == C.EXIT_OK
+    assert fake.prompts == []
+    err = capsys.readouterr().err
+    assert f"--out {a_file} is a file, not a folder" in err and f"{a_file} is a file, so the folder" in err
+    assert C.check_out_dir(str(tmp_path / "new" / "deeper")) is None    # created on download
+
+
+@pytest.mark.parametrize("payload, needle", [
+    ('{"1": {}}'.encode("utf-16"), "starts with a UTF-16 byte-order mark"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "byte 0 is not valid UTF-8"),
+])
+def test_a_workflow_that_is_not_utf8_names_the_file_and_the_fix(payload, needle, tmp_path, capsys):
+    path = tmp_path / "wf.json"
+    path.write_bytes(payload)
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(path), "--server", fake.url, "--dry-run"]) == C.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert f"{path}: not a UTF-8 JSON workflow" in err and needle in err and "save it as UTF-8 JSON" in err
+
+
+def test_a_utf8_byte_order_mark_is_accepted(api_file):
+    api_file.write_bytes(b"\xef\xbb\xbf" + api_file.read_bytes())
+    assert C.load_workflow(api_file)["3"]["class_type"] == "KSampler"
+
+
+def test_links_with_a_numeric_node_id_are_sent_as_comfyui_takes_them(tmp_path, capsys):
+    """ComfyUI 0.33 looks a link's node up by its string id: [1, 0] passed the local check, then the server
+    failed it ("Exception when validating node"). `levers run` now sends ["1", 0]; validate_api alone names it."""
+    api = _valid_api()
+    api["3"]["inputs"]["model"] = [1, 0]
+    problems = C.validate_api(api, MINI_OI)
+    assert len(problems) == 1 and "by a number" in problems[0] and '["1", 0]' in problems[0]
+    assert C.prepare_prompt(api, MINI_OI)["3"]["inputs"]["model"] == ["1", 0]
+    path = tmp_path / "int_link.json"
+    path.write_text(json.dumps(api))
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(path), "--server", fake.url, "--out", str(tmp_path / "o"), "--quiet"]) == C.EXIT_OK
+    assert fake.prompts[0]["prompt"]["3"]["inputs"]["model"] == ["1", 0]

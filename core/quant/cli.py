@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from ..errors import LeversError
+from ..errors import ConfigError, LeversError
 from .census import ARCH_NAMES
 from .registry import QuantConfig
 
@@ -63,11 +64,36 @@ def _progress_bar():
     return update
 
 
-def run(args) -> int:
-    from .checkpoint import quantize_file
+def _check_paths(args) -> None:
+    """IN and OUT problems, before the format's backend is imported (torchao prints library-loading
+    warnings on import, which would bury a one-line error about a mistyped path)."""
+    from .checkpoint import check_output_path
 
+    if not os.path.exists(args.input):
+        raise FileNotFoundError(f"IN {args.input} does not exist")
+    if os.path.isdir(args.input):
+        raise ConfigError("IN", args.input, "a .safetensors file", "It is a folder; name the file to quantize.")
+    check_output_path(args.output, args.force)
+
+
+def _os_error_text(exc: OSError, args) -> str:
+    """An OSError as one line naming the file (a temp file beside OUT counts as OUT)."""
+    reason = exc.strerror or str(exc)
+    name = exc.filename
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if name is None or os.path.dirname(os.path.abspath(str(name))) == out_dir and \
+            os.path.abspath(str(name)) != os.path.abspath(args.input):
+        return (f"cannot write OUT {args.output} ({reason}{': ' + str(name) if name else ''}); choose a folder "
+                f"you can write to and that has room for the output")
+    return f"cannot read {name}: {reason}"
+
+
+def run(args) -> int:
     try:
         config = _config(args)
+        _check_paths(args)
+        from .checkpoint import quantize_file
+
         report = quantize_file(args.input, args.output, config, arch=None if args.arch == "auto" else args.arch,
                                force=args.force, measure=not args.no_sqnr, progress=_progress_bar())
     except FileExistsError as exc:
@@ -75,6 +101,9 @@ def run(args) -> int:
         return 3
     except (LeversError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:          # a read-only or full disk, a folder without write permission
+        print(f"error: {_os_error_text(exc, args)}", file=sys.stderr)
         return 2
     print(report.format_text())
     print(f"wrote {args.output}")
