@@ -22,7 +22,9 @@ class LeversQuantizeDiT(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="Diffusion model from a loader (not modified)."),
                 io.Combo.Input("format", options=["auto", "fp8_e4m3fn", "int8", "nf4"], default="auto",
-                               tooltip="auto: the plan's precision, else fp8_e4m3fn. fp8 ~halves the weights with "
+                               tooltip="auto: the plan's quantized format; fp8_e4m3fn when the plan keeps 16-bit or no plan is "
+                                       "connected (the node always quantizes: to follow a 16-bit plan, leave it out). "
+                                       "fp8 ~halves the weights with "
                                        "near-invisible loss; int8 (torchao) similar size; nf4 (bitsandbytes) ~quarter "
                                        "size with visible loss."),
                 io.Combo.Input("granularity", options=["auto", "per_tensor", "per_row", "per_block"], default="auto",

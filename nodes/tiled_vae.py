@@ -51,7 +51,7 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 io.Int.Input("temporal_overlap", default=0, min=0, max=4096, step=4,
                              tooltip="Accepted for VAEDecodeTiled parity; not needed (chunks are exact), ignored."),
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
-                               tooltip="Memory the decode may use, in GB. 0 = 90% of the free memory on the VAE's "
+                               tooltip="Memory the decode may use, in GiB. 0 = 90% of the free memory on the VAE's "
                                        "device after unloading other models."),
                 io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",
                                tooltip="KL VAEs (SD/SDXL/Flux, HunyuanVideo 1.0): where tiled stages get GroupNorm statistics. tiles: "

@@ -302,7 +302,7 @@ def flux_16gb(oi: dict) -> Graph:
     vae = g.add("VAELoader", 0, vae_name="ae.safetensors")
     rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
-        model_preset="auto", width=1024, height=1024, steps=28, goal="balanced",
+        model_preset="auto", width=1024, height=1024, steps=28, goal="speed",
         vram_gb=0.0))
     quant = g.add("LeversQuantizeDiT", 2, _title="Levers: fp8 weights", **levers_inputs(
         oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
@@ -325,12 +325,12 @@ def flux_16gb(oi: dict) -> Graph:
     reports = _report_previews(g, 7, rec, quant, phase, decode)
     g.note(1, f"""FLUX.1-dev (12 B parameters, 24 GB of bf16 weights) on a 16 GB card.
 
-The plan node reads the loaded models, your GPU and your resolution and picks the levers; on a 16 GB card:
+The plan node reads the loaded models, your GPU and your resolution and picks the levers; with goal = speed on a 16 GB card:
 - fp8 weights for the diffusion model: 12 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms and the final layer stay 16-bit);
 - phase offload: the T5 text encoder (9.5 GB) is on the GPU only while the prompt is encoded, the diffusion model only while sampling, the VAE only while decoding;
 - tiled decode: tile size chosen so the decode fits next to what is still resident.
 
-Change: width/height/steps on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 16) to plan for another card. goal = quality keeps 16-bit where it can, fit takes the smallest footprint. format = auto on QuantizeDiT lets the plan choose the precision. The report nodes on the right show the plan and what each lever did.
+Change: width/height/steps on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 16) to plan for another card. goal = balanced or quality keeps 16-bit weights and streams blocks instead (replace QuantizeDiT with a GroupPrefetch after PhaseOffload), fit takes the smallest footprint. format = auto on QuantizeDiT takes the plan's quantized format (fp8 when the plan keeps 16-bit). The report nodes on the right show the plan and what each lever did.
 
 Files: flux1-dev.safetensors in models/diffusion_models, t5xxl_fp16 + clip_l in models/text_encoders, ae.safetensors in models/vae.""")
     g.group("1. Load (stock loaders, your files)", unet, clip, vae)
