@@ -271,10 +271,8 @@ def test_read_only_weights_are_rebound_to_pinned_copies_at_capture(read_only):
     assert inner.ledger.d2h_bytes == 0
 
 
-def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_only):
-    """Found in review: the copies were matched to tensors by start address, so a weight and a slice of it that
-    start at the same byte both became the slice, and a transposed view (no master: not contiguous) was rebound
-    to the other's layout. Each tensor now gets its own view of the copy; one without a master stays as it was."""
+def _captured_with_pinning(m: nn.Module) -> "MasterTable":
+    """``m``'s master table, captured with a store that pins (in place, on the CPU) whatever it is given."""
     from comfyui_levers.core.residency.pinned import GIB, PinnedStore
     from comfyui_levers.core.residency.transport import PinResult
 
@@ -282,6 +280,17 @@ def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_o
         def pin(self, t):
             return PinResult(True, "pinned in place", t.nbytes)
 
+    store = PinnedStore(Pinning(), "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
+                        os_name="linux")
+    table = MasterTable(m, "dit", Pinning(), store)
+    table.capture()
+    return table
+
+
+def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_only):
+    """Found in review: the copies were matched to tensors by start address, so a weight and a slice of it that
+    start at the same byte both became the slice, and a transposed view (no master: not contiguous) was rebound
+    to the other's layout. Each tensor now gets its own view of the copy; one without a master stays as it was."""
     torch.manual_seed(0)
     m = nn.Module()
     m.a, m.b, m.head = nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False), nn.Linear(8, 8, bias=False)
@@ -291,10 +300,7 @@ def test_read_only_views_of_one_storage_keep_their_own_shapes_when_copied(read_o
     m.head.weight = nn.Parameter(w.t(), requires_grad=False)        # ... and its transpose (not contiguous)
     x = torch.randn(2, 8)
     want = [m.a(x), m.b(x), m.head(x)]
-    store = PinnedStore(Pinning(), "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
-                        os_name="linux")
-    table = MasterTable(m, "dit", Pinning(), store)
-    table.capture()
+    table = _captured_with_pinning(m)
     assert table.pin_outcome.copied_bytes == w.nbytes
     assert m.a.weight.shape == (8, 8) and m.b.weight.shape == (4, 8) and m.head.weight.stride() == (1, 8)
     assert m.b.weight.data_ptr() == m.a.weight.data_ptr() != w.data_ptr()          # tied in the copy
@@ -306,13 +312,6 @@ def test_read_only_views_with_gaps_are_rebound_to_a_packed_pinned_copy(read_only
     """A module whose weights are views into one larger read-only mapping with gaps between them (a file holding
     other components' tensors too) stayed pageable. Its masters now move to a copy of the views alone, the module's
     tensors are rebound to it (tied slices stay tied), and the outputs do not change."""
-    from comfyui_levers.core.residency.pinned import GIB, PinnedStore
-    from comfyui_levers.core.residency.transport import PinResult
-
-    class Pinning(CpuTransport):
-        def pin(self, t):
-            return PinResult(True, "pinned in place", t.nbytes)
-
     torch.manual_seed(0)
     blob = read_only(torch.randn(20000))
     m = nn.Module()
@@ -322,10 +321,7 @@ def test_read_only_views_with_gaps_are_rebound_to_a_packed_pinned_copy(read_only
     m.c.weight = nn.Parameter(blob[19000:19064].view(8, 8), requires_grad=False)  # far away: a gap between
     x = torch.randn(2, 8)
     want = [m.a(x), m.b(x), m.c(x)]
-    store = PinnedStore(Pinning(), "auto", has_cuda=True, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB,
-                        os_name="linux")
-    table = MasterTable(m, "dit", Pinning(), store)
-    table.capture()
+    table = _captured_with_pinning(m)
     out = table.pin_outcome
     assert out.pinned and out.copied_bytes < 4 * 64 * 4, out          # the views, not the 80 KB span
     ptrs = {m.a.weight.data_ptr(), m.c.weight.data_ptr()}
