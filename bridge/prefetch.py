@@ -299,7 +299,7 @@ class _Session:
             if req.budget_bytes is not None and not self.plan_share_failed:
                 return float(req.budget_bytes)
             if self.plan_share_failed:
-                self.budget_note = f"{self.plan_share_failed}auto budget: none (the load device is the CPU)"
+                self.budget_note = f"{self.plan_share_failed}; using the auto budget: none (the load device is the CPU)"
             return math.inf
         activations = sampling_activations(self.patcher, noise, guider)
         extra_reserved = getattr(mm, "extra_reserved_memory", lambda: 0)()
@@ -327,7 +327,8 @@ class _Session:
                 continue
         free = mm.get_free_memory(dev)
         budget = max(0.0, free + own + evictable - alongside - self.run_room)
-        self.budget_note = (f"{self.plan_share_failed}auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
+        self.budget_note = ((f"{self.plan_share_failed}; using the " if self.plan_share_failed else "")
+                            + f"auto budget = free {_gb(free)} + this model's loaded {_gb(own)} + other models "
                             f"ComfyUI may unload {_gb(evictable)} - models loaded with it {_gb(alongside)} - room "
                             f"ComfyUI keeps for the run {_gb(self.run_room)} (activations {_gb(activations)})")
         return budget
@@ -657,7 +658,7 @@ class PrefetchState:
         if planned and planned[1] and held > 1.05 * planned[1]:
             line += (f": the plan sized {planned[0]} weights ({_gb(planned[1])}), this model holds {_gb(held)} "
                      "(connect the same plan to QuantizeDiT before GroupPrefetch)")
-        return line + "; using the "
+        return line
 
     def apply_model(self, executor, *args, **kwargs):
         s = self.session

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from ..core.errors import ConfigError, IncompatibleInput
 from ..core.quant import checkpoint as qckpt
-from ..core.quant.linear import QuantLinear, clone_module_tree, is_quantized_module, quantize_module
+from ..core.quant.linear import CODE_DTYPES, QuantLinear, clone_module_tree, is_quantized_module, quantize_module
 from ..core.quant.registry import Granularity, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
+from ..core.residency.subclass import is_plain
 from ..core.types import Precision
 from .inputs import require_model
 
@@ -288,9 +289,9 @@ def held_config(dm) -> tuple[QuantConfig | None, str]:
             kinds.add((Precision.FP8_E4M3FN, Granularity.PER_TENSOR, 64))
             continue
         for pname, p in m.named_parameters(recurse=False):
-            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
+            if not is_plain(p):
                 return None, f"{name}.{pname} is a {type(p).__name__}, which QuantizeDiT does not write"
-            if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8):
+            if p.dtype in CODE_DTYPES:
                 return None, f"{name}.{pname} holds {p.dtype} codes outside a quantized layer QuantizeDiT writes"
     if len(kinds) != 1:
         found = ", ".join(sorted(f"{f} {g}" for f, g, _ in kinds)) or "none"

@@ -131,6 +131,9 @@ class QuantLinear(nn.Module):
                 f"format={self.quant_format}, granularity={self.granularity}, bias={self.bias is not None}")
 
 
+CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)   # dtypes of quantized codes
+
+
 def is_quantized_module(module: nn.Module) -> bool:
     """True when any sub-module already holds quantized weights (ours, or a low-bit dtype)."""
     for m in module.modules():
@@ -139,7 +142,7 @@ def is_quantized_module(module: nn.Module) -> bool:
         w = getattr(m, "weight", None)
         if isinstance(w, torch.Tensor) and type(w) not in (torch.Tensor, nn.Parameter):
             return True  # a tensor subclass: ComfyUI QuantizedTensor, GGUF, torchao, bitsandbytes
-        if isinstance(w, torch.Tensor) and w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8):
+        if isinstance(w, torch.Tensor) and w.dtype in CODE_DTYPES:
             return True
     return False
 

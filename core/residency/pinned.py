@@ -178,24 +178,17 @@ class StorageGroup:
         return ref.view(self.host, self.span_start)
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[start, end) in bytes of the storage region ``t`` can touch."""
-    itemsize = t.element_size()
-    if t.numel() == 0:
-        start = t.storage_offset() * itemsize
+def _span(start: int, size, stride, itemsize: int) -> tuple[int, int]:
+    """[start, end) in bytes of the storage a view at byte ``start`` with ``size`` and ``stride`` can touch."""
+    if any(s == 0 for s in size):
         return start, start
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)
-    start = t.storage_offset() * itemsize
+    extent = 1 + sum((s - 1) * st for s, st in zip(size, stride))
     return start, start + extent * itemsize
 
 
-def _ref_span(r: TensorRef) -> tuple[int, int]:
-    """[start, end) in bytes of the storage ``r`` can touch."""
-    itemsize = torch.empty((), dtype=r.dtype).element_size()
-    if any(s == 0 for s in r.size):
-        return r.byte_offset, r.byte_offset
-    extent = 1 + sum((s - 1) * st for s, st in zip(r.size, r.stride))
-    return r.byte_offset, r.byte_offset + extent * itemsize
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) in bytes of the storage region ``t`` can touch."""
+    return _span(t.storage_offset() * t.element_size(), t.size(), t.stride(), t.element_size())
 
 
 def compact(g: StorageGroup) -> StorageGroup:
@@ -204,7 +197,8 @@ def compact(g: StorageGroup) -> StorageGroup:
     starting at its old offset modulo ``SPAN_ALIGN`` so every view's element offset stays whole. The refs point
     into the copy; ``remap`` finds any old offset in it. The gaps (other components' tensors in the same file
     mapping) are not copied."""
-    spans = sorted(_ref_span(r) for r in g.refs)
+    spans = sorted(_span(r.byte_offset, r.size, r.stride, torch.empty((), dtype=r.dtype).element_size())
+                   for r in g.refs)
     merged: list[list[int]] = []
     for s, e in spans:
         if merged and s <= merged[-1][1]:
