@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 from .plan_types import ComponentPlan, Plan, Streaming, Tiling
-from .presets import BlockKind, ModelSpec
+from .presets import REFERENCE_FAMILIES, BlockKind, ModelSpec
 from .probe import CPU_TFLOPS, GiB, Machine
 from .types import Component, Goal, Precision, Residency
 
@@ -543,6 +543,11 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
         notes.append(f"frames={wl.frames}: {spec.name}'s VAE decodes {spec.vae_temporal}n+1 frames, so ComfyUI's "
                      f"latent for this length gives {decoded} (use {decoded} or "
                      f"{decoded + spec.vae_temporal}); planned for {wl.frames}")
+    if wl.references and spec.family not in REFERENCE_FAMILIES:
+        notes.append(f"reference_images={wl.references} ignored: {spec.name} takes no reference images into its "
+                     f"sequence (ComfyUI's ReferenceLatent is for FLUX Kontext, FLUX.2, Qwen-Image-Edit and Z-Image); "
+                     f"planned without them")
+        wl = replace(wl, references=0)
     act = activation_bytes(spec, wl)
     workload = {"width": wl.width, "height": wl.height, "frames": wl.frames if spec.is_video else 1,
                 "steps": wl.steps, "batch": wl.batch, "tokens": sequence_tokens(spec, wl),

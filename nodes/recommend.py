@@ -48,7 +48,8 @@ class LeversRecommend(io.ComfyNode):
                 io.Int.Input("reference_images", default=0, min=0, max=16, optional=True,
                              tooltip="Reference images an edit model reads, each at the output size (FLUX Kontext, "
                                      "Qwen-Image-Edit, FLUX 2 references): their tokens join the sequence, so "
-                                     "activations and step time grow. 0 for text-to-image or video."),
+                                     "activations and step time grow. 0 for text-to-image; ignored, with a note, "
+                                     "for models that take none (SDXL, SD3, HunyuanVideo, HiDream)."),
             ],
             outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
         )

@@ -561,6 +561,23 @@ def test_reference_images_of_edit_models_join_the_sequence():
         plan(spec, Workload(1024, 1024, references=-1), m)
 
 
+@pytest.mark.parametrize("model", ["sdxl", "sd3.5-large", "hunyuanvideo", "hidream-i1"])
+def test_reference_images_on_a_model_that_takes_none_are_ignored_with_a_note(model):
+    """SDXL, SD3, HunyuanVideo and HiDream-I1 append no reference tokens in ComfyUI: the plan is the plain one, and
+    a note says the input was ignored (it used to plan a longer sequence in silence)."""
+    spec, m = get_preset(model), machine(12)
+    w, h = spec.default_width, spec.default_height
+    plain = plan(spec, Workload(w, h, spec.default_frames), m)
+    edit = plan(spec, Workload(w, h, spec.default_frames, references=2), m)
+    assert edit.activation_bytes == plain.activation_bytes
+    assert edit.predicted_peak_bytes == plain.predicted_peak_bytes and edit.workload["references"] == 0
+    assert any(n.startswith("reference_images=2 ignored") for n in edit.notes)
+    assert not any("reference_images" in n for n in plain.notes)
+    # an edit model still plans them
+    kontext = plan(get_preset("qwen-image"), Workload(1024, 1024, references=2), m)
+    assert kontext.workload["references"] == 2 and not any("ignored" in n for n in kontext.notes)
+
+
 @pytest.mark.parametrize("model,w,h,f,vram,sizes", [
     ("flux1-dev", 1024, 1024, 1, 12, FLUX_BLOCK_BYTES), ("flux1-dev", 1024, 1024, 1, 16, FLUX_BLOCK_BYTES),
     ("flux1-dev", 1024, 1024, 1, 24, FLUX_BLOCK_BYTES),
