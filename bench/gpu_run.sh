@@ -12,6 +12,7 @@
 #   .comfy/gguf       a ComfyUI-GGUF checkout (with the gguf wheel in .whl/): GroupPrefetch on a GGUF model
 # The CUDA tests get at most 150 s; the suite gets what is left of 570 s (at most 450 s).
 set -u
+T0=$(date +%s)      # before the wheel install: the device tool's 600 s count the whole command
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 SHA=${LEVERS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -29,7 +30,6 @@ export PYTHONUNBUFFERED=1
 
 # The device tool cuts a command at 600 s: the tests and the suite share LIMIT (570 s, leaving room to write out).
 LIMIT=${LEVERS_LIMIT_S:-570}
-T0=$(date +%s)
 # the inductor test compiles first in the process and is the slowest: it runs last, so a slow compile cannot
 # cut the other CUDA checks
 timeout 110 python3 -m pytest tests -q -m cuda -k "not inductor" -p no:cacheprovider > "$OUT/cuda-tests.log" 2>&1
@@ -44,4 +44,6 @@ LEFT=$(( LIMIT - ($(date +%s) - T0) - 70 ))      # 70 s: the suite's start-up, i
 ARGS=(--out "$OUT" --commit "$SHA" --time-budget "$LEFT")
 [ -d .comfy/pollockjj ] && ARGS+=(--comfyui .comfy/pollockjj)
 [ -d .comfy/yzkee ] && ARGS+=(--comfyui-dynamic .comfy/yzkee)
-python3 bench/gpu_suite.py "${ARGS[@]}" "$@" 2>&1 | tee "$OUT/suite.log" | grep -E "^\[.*(==|summary|wrote)"
+# the whole console (warnings, comfy_phase's lines) in its own file: the suite itself appends to suite.log, and two
+# writers on one file leave it garbled
+python3 bench/gpu_suite.py "${ARGS[@]}" "$@" 2>&1 | tee "$OUT/suite-console.log" | grep -E "^\[.*(==|summary|wrote)"

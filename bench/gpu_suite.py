@@ -797,9 +797,11 @@ SECTION_ORDER = ("bandwidth", "dit", "phase", "comfy_phase", "quant", "vae", "re
 # Seconds each section may start new cases for (full run). The dit section also leaves time for
 # the sections after it. Sum + imports stays under ~6.5 minutes.
 # shares of the time budget (a section stops starting cases past its share; later sections get what is left).
-# dynamic and comfy_phase used at most 43 s and 33 s in the H200 runs; vae now has the LTX streamed case.
-SECTION_SECONDS = {"bandwidth": 20, "dit": 260, "dynamic": 70, "phase": 25, "comfy_phase": 70, "quant": 40, "vae": 60,
-                   "recommend": 10}
+# The H200 runs used phase 5 s, quant 6 s, recommend 0.02 s and comfy_phase 28 s for its PhaseOffload flows alone;
+# comfy_phase now also runs GroupPrefetch (bf16, fp8, GGUF) and the two experts (which start only with > 30 s left),
+# so it gets the seconds the three small sections never used (dit's reserve for the later sections is unchanged).
+SECTION_SECONDS = {"bandwidth": 20, "dit": 260, "dynamic": 70, "phase": 15, "comfy_phase": 105, "quant": 20, "vae": 60,
+                   "recommend": 5}
 
 
 def source_fingerprint() -> str:
@@ -1143,6 +1145,13 @@ def _unpack_probe(suite: Suite, dev: torch.device, n: int) -> dict[str, Any]:
             "bit_exact": bool(torch.equal(out.view(torch.int16).cpu(), x.view(torch.int16)))}
 
 
+def fp8_failures(suite: Suite) -> dict[str, str]:
+    """fp8 GEMM modes that failed in this process ("mode@device": error). QuantLinear then uses the next mode for
+    good without raising, so a case labelled rowwise may have timed tensorwise: recorded beside every fp8 number."""
+    fn = getattr(suite.pieces.get("quant.linear"), "fp8_mode_failures", None)
+    return fn() if callable(fn) else {}
+
+
 def pinned_gbps(results: dict) -> float | None:
     """The suite's reference pinned H2D bandwidth (best of the pinned measurements)."""
     r = results.get("sections", {}).get("bandwidth", {}).get("results", {})
@@ -1348,11 +1357,13 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         log(f"   {r['engine']:<16} {str(r['budget'] or 'unbudgeted'):>14}: {r['s_per_step']:.4f} s/step, peak "
             f"{gb(pk)} GiB, setup {setup_s:.1f}s, bit-exact {r.get('bit_exact')}, max|diff| {r.get('max_abs_diff')}")
 
-    def enough_time(est: float, engine: str | None = None) -> None:
+    def enough_time(est: float, engine: str | None = None, once: float = 0.0) -> None:
         """Skip a case that would run past the deadline: its engine's last case cost (+20%) once
-        one finished, else a conservative estimate from the resident step time."""
+        one finished, else a conservative estimate from the resident step time; ``once``: seconds of
+        one-time work this case adds (not in the engine's last cost)."""
         if engine in cost:
             est = cost[engine] * 1.2 + 2
+        est += once
         if not smoke and suite.left(deadline) < est:
             raise Skip(f"section deadline: {suite.left(deadline):.0f}s left, case needs ~{est:.0f}s")
 
@@ -1416,6 +1427,10 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         finish(r, times, out, qstate["quant_s"], None)
         qstate["out"], qstate["mode"] = out.detach().to("cpu"), mode     # the streamed fp8 case's reference
         r["fp8_compute_mode"] = mode
+        fell_back = fp8_failures(suite)
+        if fell_back:
+            r["fp8_mode_failures"] = fell_back
+            log(f"   fp8 GEMM fell back: {fell_back}")
         r["quantize_s"] = rnd(qstate["quant_s"], 2)
         r["weight_bytes_after"] = sum(p.numel() * p.element_size() for p in qmodel.parameters())
         if ref["out"] is not None:
@@ -1458,7 +1473,10 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
             if levers.reason:
                 raise Skip(levers.reason)
             pf_warmup = int(getattr(levers.mod, "CALIBRATION_FORWARD", 0)) + 2
-            enough_time(8 + (pf_warmup + iters) * step_est * 3, "levers_prefetch")
+            # the first packed case also packs the arena on the GPU (chunked copies both ways, then pinning the planes)
+            first_pack = packed and levers.pack_s is None and levers.store is not None
+            enough_time(8 + (pf_warmup + iters) * step_est * 3, "levers_prefetch",
+                        once=levers.store.host_bytes / 2e9 if first_pack else 0.0)
             if packed:
                 plain = next((c for c in cases if c.get("engine") == "levers_prefetch"
                               and c.get("budget") == label and c.get("status") == "ok"), None)
@@ -1496,6 +1514,7 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
                 if levers is levers_fp8 and qstate.get("out") is not None:
                     ref_fp8 = qstate["out"]
                     r["fp8_compute_mode"] = qstate.get("mode")
+                    r["fp8_mode_failures"] = fp8_failures(suite) or None
                     r["bit_exact_vs_resident_fp8"] = bool(torch.equal(out.detach().to("cpu"), ref_fp8))
                     r["max_abs_diff_vs_resident_fp8"] = rnd(float((out.detach().float().cpu()
                                                                    - ref_fp8.float()).abs().max()), 6)
@@ -1576,8 +1595,9 @@ def _dit_cases(suite: Suite, spec: DiTSpec, rec: dict, deadline: float, host: Ho
         if levers_fp8 is not None:
             extra.append(("levers_prefetch_fp8", label, budget,
                           lambda r, budget=budget, fn=prefetch: fn(r, budget, levers_fp8)))
-    # the extra levers after the main comparison at every budget (packed first), so a tight deadline drops these
-    for engine, label, budget, fn in sorted(extra, key=lambda e: e[0] != "levers_prefetch_packed"):
+    # the extra levers after the main comparison at every budget, lowest budget first (packed, then fp8, at each):
+    # a tight deadline drops the budgets where the least streams, not every fp8 case
+    for engine, label, budget, fn in sorted(extra, key=lambda e: e[2]):
         case(engine, label, budget, fn)
     if levers_fp8 is not None:
         levers_fp8.close()
@@ -1780,6 +1800,7 @@ def sec_quant(suite: Suite, sec: dict, deadline: float) -> None:
     with contextlib.suppress(Exception):
         from comfyui_levers.core.quant import fp8_triton
         sec.setdefault("fp8_activation_kernel", {})["broken_after"] = list(fp8_triton._BROKEN)
+    sec["fp8_mode_failures"] = fp8_failures(suite) or None
     sec["fp8_modes_speedup_vs_bf16"] = {}
     for key in ("off/per_row", "tensorwise/per_tensor", "tensorwise/per_row", "rowwise/per_row"):
         rows = [r for r in sec["layers"] if "ms" in ((r.get("fp8_e4m3fn") or {}).get("modes") or {}).get(key, {})]
@@ -2065,7 +2086,7 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
                           f"field; the engine's default whole-image GroupNorm statistics"}
     with torch.inference_mode():
         dec(z)                                          # warm-up (cuDNN algorithm choice)
-        sync(dev)
+        free_device_memory(dev)     # from an emptied cache, as every tiled / layered timing below: same allocator cost
         t0 = time.perf_counter()
         ref, whole = tiling.measure_peak_bytes(lambda: dec(z), dev)
         sync(dev)
@@ -2575,9 +2596,11 @@ def build_summary(results: dict) -> dict[str, Any]:
         best = max(by_mode, key=lambda m: by_mode[m].get("flux", max(by_mode[m].values())))
         by_model = by_mode[best]
         val = by_model.get("flux", next(iter(by_model.values())))
+        fell_back = {k: v for c in fp8_step for k, v in (c.get("fp8_mode_failures") or {}).items()}
         summary["fp8_speedup_vs_bf16"] = _metric(val, None, ">= 1.2", val >= 1.2, by_model_step=by_model,
                                                  best_mode=best, by_mode=by_mode, linears=lin,
                                                  modes_linears=q.get("fp8_modes_speedup_vs_bf16"),
+                                                 mode_failures=fell_back or None,
                                                  source="whole-DiT step, resident, fastest fp8 compute mode")
     else:
         summary["fp8_speedup_vs_bf16"] = _metric(lin, _section_reason(results, "quant") or "fp8 did not run",

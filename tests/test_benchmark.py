@@ -130,6 +130,11 @@ def test_gpu_suite_smoke_runs_every_section_on_cpu(tmp_path):
     assert "torch.float8_e4m3fn" in store["arena_dtypes"], store
     fp8_streamed = [c for c in cases if c["engine"] == "levers_prefetch_fp8"]
     assert fp8_streamed and all(c["status"] == "ok" and c["bit_exact_vs_resident_fp8"] for c in fp8_streamed)
+    # the extra levers run lowest budget first (packed, then fp8, at each): a deadline drops the highest budgets
+    extra = [(c["budget_bytes"], c["engine"]) for c in cases if c["engine"] in ("levers_prefetch_packed",
+                                                                                   "levers_prefetch_fp8")]
+    assert [b for b, _ in extra] == sorted(b for b, _ in extra)
+    assert [e for _, e in extra[:2]] == ["levers_prefetch_packed", "levers_prefetch_fp8"], extra
     auto = d["sections"]["vae"]["image_auto_third"]
     assert auto["peak_ratio"] > 0 and auto["work_ratio"] >= 1.0 and auto["budget_bytes"] > 0, auto
     assert SUMMARY_KEYS <= set(d["summary"])
@@ -195,6 +200,11 @@ def test_summary_ratios_and_budget_verdict():
     s = suite.build_summary(results)
     assert s["prefetch_vs_floor"]["value"] == pytest.approx(1.0)          # 30 GB / 20 GB/s = 1.5 s
     assert "GroupPrefetch" in s["prefetch_vs_floor"]["bandwidth_source"][0]
+
+    # an fp8 GEMM mode that failed (QuantLinear then uses the next one silently) is named beside the fp8 speed-up
+    cases.append(_case("flux", "resident_fp8_rowwise", None, 0.8, speedup_vs_bf16=1.25, fp8_compute_mode="rowwise",
+                       fp8_mode_failures={"rowwise@cuda:0": "RuntimeError: x"}))
+    assert suite.build_summary(results)["fp8_speedup_vs_bf16"]["mode_failures"] == {"rowwise@cuda:0": "RuntimeError: x"}
 
 
 def test_dynamic_vram_baseline_reports_a_reason_instead_of_failing(tmp_path):
