@@ -595,7 +595,11 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
         raise IncompatibleInput("samples", "a LATENT tensor", samples)
     if samples.is_nested:
         samples = samples.unbind()[0]
+    dropped = ""
     if vae.latent_dim == 2 and samples.ndim == 5:
+        if samples.shape[2] > 1:
+            dropped = (f"a video latent of {samples.shape[2]} frames into an image VAE: only its first frame is "
+                       "decoded, as VAEDecode does (connect the video model's VAE to decode every frame)")
         samples = samples[:, :, 0]
     if samples.ndim not in (4, 5):
         raise ConfigError("samples", tuple(samples.shape), "a 4-D image or 5-D video latent",
@@ -607,15 +611,30 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                           f"a 5-D video latent [batch, {channels}, frames, height, width] for this video VAE",
                           "This is a 4-D image latent. " + _MISMATCH_HINT)
     try:
-        return _tiled_decode(vae, samples, settings, plan_tiling)
+        images, report = _tiled_decode(vae, samples, settings, plan_tiling)
     except RuntimeError as e:
-        # the decoder's first convolution names the channels it takes (ComfyUI's own latent_channels is not set
-        # for every VAE it loads)
-        m = re.search(r"to have (\d+) channels, but got (\d+) channels", str(e))
-        if m is not None and int(m.group(2)) == samples.shape[1] != int(m.group(1)):
-            raise ConfigError("samples", f"{samples.shape[1]} channels", f"{m.group(1)}-channel latents (what this "
-                              "VAE decodes)", _MISMATCH_HINT) from e
+        wrong = channel_mismatch(e, vae, samples)
+        if wrong is not None:
+            raise wrong from e
         raise
+    return images, (f"{dropped}\n{report}" if dropped else report)
+
+
+def channel_mismatch(error: BaseException, vae, samples: torch.Tensor) -> ConfigError | None:
+    """The error to raise when ``error`` is the decoder refusing the latent's channel count, else None. The
+    decoder's first convolution names the channels it takes; LTX's per-channel statistics fail first, naming both
+    sizes (ComfyUI's own latent_channels is not set for every VAE it loads, so it only confirms that case)."""
+    m = re.search(r"to have (\d+) channels, but got (\d+) channels", str(error))
+    if m is not None and int(m.group(2)) == samples.shape[1] != int(m.group(1)):
+        takes = int(m.group(1))
+    else:
+        m = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at non-singleton "
+                      r"dimension 1\b", str(error))
+        if m is None or int(m.group(1)) != samples.shape[1] or int(m.group(2)) != getattr(vae, "latent_channels", None):
+            return None
+        takes = int(m.group(2))
+    return ConfigError("samples", f"{samples.shape[1]} channels", f"{takes}-channel latents (what this VAE decodes)",
+                       _MISMATCH_HINT)
 
 
 def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling) -> tuple[torch.Tensor, str]:
@@ -663,7 +682,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     try:
         cost, halo_px, method = measure_cost(vae, staged, samples)
     except Exception as e:
-        if staged is None or isinstance(e, mm.InterruptProcessingException):
+        if staged is None or isinstance(e, mm.InterruptProcessingException) or channel_mismatch(e, vae, samples):
             raise
         # the layout was recognised but a probe through its split failed: a variant Levers misreads. Stand aside
         # (ComfyUI decodes it) rather than fail a decode ComfyUI can do

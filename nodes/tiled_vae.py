@@ -56,7 +56,7 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",
                                tooltip="KL VAEs (SD/SDXL/Flux, HunyuanVideo 1.0): where tiled stages get GroupNorm statistics. tiles: "
                                        "pooled over all tiles in one extra pass (accurate); windows: a sample "
-                                       "(faster, less accurate; images only); exact: whole image at once (untiled memory)."),
+                                       "(faster, less accurate, on small images below VAEDecodeTiled; images only); exact: whole image at once (untiled memory)."),
                 io.Boolean.Input("unload_other_models", default=True,
                                  tooltip="Unload the diffusion model and text encoder through ComfyUI's memory "
                                          "manager before decoding (they reload on the next run)."),

@@ -342,4 +342,84 @@ def test_a_cached_read_only_answer_is_checked_again_before_refusing(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
     res = transport.pin_in_place(rw)
     assert res.pinned and registered == [rw.data_ptr()]
-    transport._REGISTERED.pop(rw.data_ptr(), None)
+    monkeypatch.setattr(Cudart, "cudaHostUnregister", lambda self, ptr: 0, raising=False)
+    transport.unpin_in_place(rw)
+    assert not transport.pinned_by_levers(rw)
+
+
+class FakeDriver:
+    """cudaHostRegister / Unregister and Tensor.is_pinned over one registry, as the CUDA driver keeps it."""
+
+    def __init__(self):
+        self.ranges: dict[int, int] = {}        # start -> nbytes
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if any(s < ptr + nbytes and ptr < s + n for s, n in self.ranges.items()):
+            return 712                          # cudaErrorHostMemoryAlreadyRegistered
+        self.ranges[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0 if self.ranges.pop(ptr, None) is not None else 713
+
+    def is_pinned(self, t) -> bool:
+        p = t.data_ptr()
+        return any(s <= p < s + n for s, n in self.ranges.items())
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    from comfyui_levers.core.residency import transport
+
+    d = FakeDriver()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: d)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: d.is_pinned(self))
+    monkeypatch.setattr(transport, "_REGISTERED", {})
+    monkeypatch.setattr(transport, "_STARTS", [], raising=False)
+    return d
+
+
+def test_two_stores_on_the_same_memory_each_hold_its_pinning(driver):
+    """Found in review: PhaseOffload re-run on a cached model (a widget changed) built a second store that found the
+    masters page-locked by the first and counted them as ComfyUI's; when ComfyUI dropped the old node output, the
+    first store's unpin unregistered the memory, and the second went on reporting it pinned while every copy ran
+    pageable. Now the second store takes a use of the range: the memory stays pinned until both let go."""
+    from comfyui_levers.core.residency.transport import CudaTransport, pinned_by_levers
+
+    class Transport(CudaTransport):       # only pinning is real here: the CPU has nothing to copy to
+        def __init__(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    w = torch.randn(4096)
+    first, second = (PinnedStore(Transport(), "on", None, has_cuda=True) for _ in range(2))
+    assert first.pin_component("dit", group_by_storage([("w", w)])).reason == "pinned in place"
+    out = second.pin_component("dit", group_by_storage([("w", w)]))
+    assert out.pinned and out.already_pinned_bytes == 0 and "shared with another Levers node" in out.reason
+    first.unpin_all()                                   # the old node output is collected
+    assert driver.unregistered == [] and w.is_pinned() and pinned_by_levers(w)
+    second.unpin_all()
+    assert driver.unregistered == [w.data_ptr()] and not w.is_pinned() and not pinned_by_levers(w)
+
+
+def test_a_pin_inside_a_levers_range_takes_a_use_and_memory_comfyui_pinned_is_never_unregistered(driver):
+    from comfyui_levers.core.residency import transport
+
+    arena = torch.randn(1024)
+    assert transport.pin_in_place(arena).reason == "pinned in place"
+    half = arena[512:]
+    assert transport.pin_in_place(half).reason == "already pinned by Levers"
+    transport.unpin_in_place(arena)
+    assert driver.unregistered == [] and half.is_pinned()
+    transport.unpin_in_place(half)
+    assert driver.unregistered == [arena.data_ptr()]
+    comfy = torch.randn(256)
+    driver.ranges[comfy.data_ptr()] = comfy.nbytes      # page-locked by ComfyUI, not by Levers
+    assert transport.pin_in_place(comfy).reason.startswith("already pinned (by ComfyUI")
+    transport.unpin_in_place(comfy)
+    assert driver.unregistered == [arena.data_ptr()] and comfy.is_pinned()

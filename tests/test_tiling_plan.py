@@ -210,3 +210,43 @@ def test_auto_tiles_with_a_user_overlap_below_the_receptive_field_do_not_claim_e
     p = plan_decode((1, 16, 64, 64), 8, cost, 10 ** 8, halo_px=20, overlap=1)
     assert p.mode == "spatial" and not p.exact
     assert "seams are blended, not exact" in p.reason and "tiles are exact" not in p.reason
+
+
+
+WAN_033 = DecodeCost(whole_bytes_per_px=1400.0, tile_bytes_per_px=30000.0, stem_bytes_per_px=300.0,
+                     stored_bytes_per_px=40.0, output_bytes_per_px=12.0)   # a tile dearer per pixel than the whole
+
+
+def _least_budget(shape, cost, kw) -> int:
+    """The smallest budget plan_decode plans within, by bisection."""
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            plan_decode(shape, 8, cost, budget_bytes=mid, halo_px=8.0, **kw)
+            hi = mid
+        except BudgetExceeded:
+            lo = mid + 1
+    return lo
+
+
+@pytest.mark.parametrize("shape,cost,kw,least", [
+    ((1, 16, 64, 64), DecodeCost(4000.0, 4000.0, 10.0), {}, "smallest tile"),
+    ((1, 16, 64, 64), COST, {}, "low-resolution stem"),
+    ((3, 16, 24, 24), DecodeCost(50.0, 3000.0, 10.0), {}, "whole decode, one image at a time"),
+    ((1, 16, 64, 64), DecodeCost(3000.0, 3000.0, 400.0, layered_bytes_per_px=150.0), {}, "layered decode"),
+    ((1, 16, 5, 16, 16), WAN_033, dict(temporal_supported=True, out_frames=17), "temporal chunks"),
+    ((1, 16, 5, 16, 16), WAN_033, dict(temporal_supported=True, out_frames=17, chunk_frames=5), "temporal chunks"),
+    ((1, 16, 3, 16, 16), WAN_033, dict(out_frames=9), "whole decode"),
+    ((1, 128, 4, 16, 16), DecodeCost(3000.0, 3000.0, 1000.0, stream_base_bytes_per_px=200.0,
+                                     stream_frame_bytes_per_px=300.0),
+     dict(temporal_supported=True, out_frames=25), "temporal chunks"),
+])
+def test_budget_error_names_the_least_any_plan_needs(shape, cost, kw, least):
+    """Found in review: the error named the first check that failed (the stem, then the smallest tile), so on
+    ComfyUI 0.33's Wan VAE it advised about twice what the whole decode needs. Now it names the cheapest plan:
+    the smallest budget that plans (found by bisection) is the one the error gives."""
+    with pytest.raises(BudgetExceeded) as info:
+        plan_decode(shape, 8, cost, budget_bytes=1000, halo_px=8.0, **kw)
+    assert info.value.component == f"VAE decode ({least})", str(info.value)
+    assert info.value.needed_bytes == _least_budget(shape, cost, kw)

@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from ..types import _StrEnum
-from .transport import READ_ONLY_REASON, HostMaps, Transport, tensor_nbytes
+from .transport import READ_ONLY_REASON, HostMaps, Transport, pinned_by_levers, tensor_nbytes
 
 GIB = 1024 ** 3
 
@@ -306,18 +306,22 @@ class PinnedStore:
         mine = self._by_component.setdefault(component, {})
         self._drop(component, keep={p.data_ptr() for p in pieces})
         ours = [p for p in pieces if p.data_ptr() in self._mine]
-        already = sum(tensor_nbytes(p) for p in pieces if p.data_ptr() not in self._mine and _is_pinned(p))
+        # memory another Levers store page-locked (this node run before on the same cached model): this store takes
+        # a use of it, so the other's unpin (when ComfyUI drops the old node output) leaves it pinned
+        shared = [p for p in pieces if p.data_ptr() not in self._mine and pinned_by_levers(p)]
+        already = sum(tensor_nbytes(p) for p in pieces
+                      if p.data_ptr() not in self._mine and not pinned_by_levers(p) and _is_pinned(p))
         todo = [p for p in pieces if p.data_ptr() not in self._mine and not _is_pinned(p)]
         need = sum(tensor_nbytes(p) for p in todo)
-        total = need + already + sum(tensor_nbytes(p) for p in ours)
+        total = need + already + sum(tensor_nbytes(p) for p in ours + shared)
         maps = HostMaps.recent(max_age_s=0.0) if self.mode is not PinMode.OFF and self.has_cuda else None
         read_only = {i for i, g in enumerate(groups) if maps is not None and g.host.numel()
                      and maps.writable(g.host.data_ptr(), g.host.numel()) is False}
         # copies of read-only memory are new, unswappable RAM, where the file's pages were reclaimable page cache:
         # the RAM rule sees the available RAM without them
         copies = sum(groups[i].nbytes for i in read_only)     # a sparse group copies its views only
-        outcome = self._decide(component, need, total, already, bool(ours), copies)
-        if outcome is not None:
+        outcome = self._decide(component, need, total, already, bool(ours or shared), copies)
+        if outcome is not None and not (outcome.pinned and shared):
             self.outcomes[component] = outcome
             return outcome
         relocated = self._relocate_read_only(component, groups, read_only)
@@ -329,7 +333,7 @@ class PinnedStore:
             todo = [p for p in pieces if p.data_ptr() not in self._mine and not _is_pinned(p)]
         copied = sum(g.host.numel() for g in relocated.values())
         done: list[torch.Tensor] = []
-        for piece in todo:
+        for piece in shared + todo:
             res = self.transport.pin(piece)
             if not res.pinned:
                 for p in done:  # roll back: a half-pinned component reports as pageable
@@ -343,9 +347,12 @@ class PinnedStore:
             self._mine[piece.data_ptr()] = piece
             mine[piece.data_ptr()] = piece
             self.pinned_bytes += tensor_nbytes(piece)
-        how = "pinned in place" if need or ours else "already page-locked"
-        if already and (need or ours):
+        how = "pinned in place" if need or ours or shared else "already page-locked"
+        if already and (need or ours or shared):
             how += f" ({already / GIB:.2f} GiB was already page-locked by ComfyUI)"
+        if shared:
+            how += (f" ({sum(tensor_nbytes(p) for p in shared) / GIB:.2f} GiB shared with another Levers node's "
+                    "pinned copies)")
         if copied:
             how += f"; {copied / GIB:.2f} GiB copied first out of {READ_ONLY_REASON}"
         outcome = PinOutcome(component, True, how, total, already, copied, relocated)

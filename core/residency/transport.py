@@ -226,7 +226,29 @@ class CudaTransport(Transport):
 
 # --- pinning -----------------------------------------------------------------------------------
 
-_REGISTERED: dict[int, int] = {}  # data_ptr -> nbytes, the host ranges *we* page-locked
+# The host ranges *we* page-locked: start -> [nbytes, users]. Two Levers stores can hold the same memory (ComfyUI
+# re-runs a node on a cached model: the new node's store finds the range the old one pinned, and the old one is
+# collected later): each pin of a range inside a registered one takes a use, each unpin gives one back, and the range
+# is unregistered when the last use goes.
+_REGISTERED: dict[int, list[int]] = {}
+_STARTS: list[int] = []           # the keys of _REGISTERED, sorted
+
+
+def _levers_range(t: torch.Tensor) -> int | None:
+    """The start of the range Levers registered that holds all of ``t``'s bytes, or None."""
+    if not _STARTS or t.device.type != "cpu":
+        return None
+    ptr = t.data_ptr()
+    i = bisect.bisect_right(_STARTS, ptr) - 1
+    if i < 0:
+        return None
+    start = _STARTS[i]
+    return start if ptr + tensor_nbytes(t) <= start + _REGISTERED[start][0] else None
+
+
+def pinned_by_levers(t: torch.Tensor) -> bool:
+    """Is ``t`` inside memory Levers page-locked (so pinning it takes a use of that range, not a new one)?"""
+    return _levers_range(t) is not None
 
 
 def pin_in_place(t: torch.Tensor) -> PinResult:
@@ -234,7 +256,8 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
 
     Fails soft: returns PinResult(False, reason) instead of raising. Never registers memory
     that is already pinned (by ComfyUI or by us): a second registration fails and, on some
-    drivers, poisons later pins.
+    drivers, poisons later pins. Inside a range Levers registered it takes a use of that range
+    (``unpin_in_place`` gives it back), so one owner's unpin cannot unpin another's memory.
     """
     nbytes = tensor_nbytes(t)
     if t.device.type != "cpu":
@@ -243,11 +266,13 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
         return PinResult(False, "no CUDA device: nothing to DMA to", nbytes)
     if not t.is_contiguous():
         return PinResult(False, "tensor is not contiguous", nbytes)
+    start = _levers_range(t)
+    if start is not None:
+        _REGISTERED[start][1] += 1
+        return PinResult(True, "already pinned by Levers", nbytes)
     if t.is_pinned():
         return PinResult(True, "already pinned (by ComfyUI or torch)", nbytes)
     ptr = t.data_ptr()
-    if ptr in _REGISTERED:
-        return PinResult(True, "already pinned by Levers", nbytes)
     if nbytes == 0:
         return PinResult(False, "empty tensor", 0)
     writable = HostMaps.recent().writable(ptr, nbytes)
@@ -266,17 +291,25 @@ def pin_in_place(t: torch.Tensor) -> PinResult:
     if code != 0:
         discard_pending_cuda_error()
         return PinResult(False, f"cudaHostRegister failed with CUDA error {code} (page-locked limit reached?)", nbytes)
-    _REGISTERED[ptr] = nbytes
+    _REGISTERED[ptr] = [nbytes, 1]
+    bisect.insort(_STARTS, ptr)
     return PinResult(True, "pinned in place", nbytes)
 
 
 def unpin_in_place(t: torch.Tensor) -> None:
-    ptr = t.data_ptr()
-    if ptr in _REGISTERED and torch.cuda.is_available():
-        err = torch.cuda.cudart().cudaHostUnregister(ptr)
-        if cuda_code(err) != 0:
-            discard_pending_cuda_error()
-        _REGISTERED.pop(ptr, None)
+    """Give back the use ``pin_in_place`` took; the range is unregistered with its last use."""
+    start = _levers_range(t)
+    if start is None or not torch.cuda.is_available():
+        return
+    entry = _REGISTERED[start]
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    err = torch.cuda.cudart().cudaHostUnregister(start)
+    if cuda_code(err) != 0:
+        discard_pending_cuda_error()
+    del _REGISTERED[start]
+    _STARTS.pop(bisect.bisect_left(_STARTS, start))
 
 
 def cuda_code(err) -> int:
@@ -363,7 +396,7 @@ class HostMaps:
 
 
 def pinned_bytes_by_levers() -> int:
-    return sum(_REGISTERED.values())
+    return sum(n for n, _ in _REGISTERED.values())
 
 
 # --- recording ---------------------------------------------------------------------------------

@@ -187,10 +187,27 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         return TilePlan("spatial", 1, tt, ov, cf, max(tile_peak(tt), int(stem_peak)), budget, why, exact,
                         work_ratio=ratio)
 
-    if stem_peak > budget:
-        raise BudgetExceeded(int(stem_peak), budget, "VAE decode (low-resolution stem)",
-                             "Even the whole-image low-resolution stages do not fit; free memory first.")
     a = max(1, align)
+    smallest = (min(ov + a, h), min(ov + a, w))
+
+    def too_small() -> BudgetExceeded:
+        """The error when nothing fits, naming the least any plan needs (whole, batch-sliced, temporal chunks,
+        layered, tiles): the smallest budget that decodes, not the first check that failed."""
+        tiles = tile_peak(smallest)
+        need = {"smallest tile" if tiles >= stem_peak else "low-resolution stem": max(int(stem_peak), tiles)}
+        if not (video and temporal_supported and chunk_frames is not None):
+            need["whole decode" + ("" if video or b == 1 else ", one image at a time")] = whole_peak(b if video else 1)
+        if video and temporal_supported:
+            need["temporal chunks"] = chunk_peak(1 if streamed and chunk_frames is None
+                                                 else chunk_frames or auto_chunk_frames)
+        if not video and cost.layered_bytes_per_px > 0:
+            need["layered decode"] = int(cost.layered_bytes_per_px * frame_px)
+        least = min(need, key=need.get)
+        return BudgetExceeded(need[least], budget, f"VAE decode ({least})",
+                              "Free memory (unload other models), lower the resolution, or decode on the CPU.")
+
+    if stem_peak > budget:
+        raise too_small()
     best = None                                     # ((work, tiles), (tile_h, tile_w))
     for nr in range(1, h + 1):
         tr = _tile_for_count(h, nr, ov, a)
@@ -218,9 +235,7 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
                         + ("overlap covers 2 x the receptive field so tiles are exact" if ov >= min_overlap else
                            f"overlap {ov * scale}px is below the decoder's receptive field ({2 * halo_px + 1:.0f}px "
                            "needed): seams are blended, not exact"), ov >= min_overlap, work_ratio=ratio)
-    smallest = (min(ov + a, h), min(ov + a, w))
-    raise BudgetExceeded(tile_peak(smallest), budget, "VAE decode (smallest tile)",
-                         "Free memory (unload other models), lower the resolution, or decode on the CPU.")
+    raise too_small()
 
 
 def _tile_for_count(length: int, n: int, overlap: int, align: int) -> int | None:

@@ -267,6 +267,18 @@ def test_a_latent_from_another_model_family_is_named_with_the_fix(comfy_env, kl_
     assert torch.equal(ours, comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0])
 
 
+def test_a_video_latent_into_an_image_vae_decodes_its_first_frame_and_says_so(comfy_env, kl_vae):
+    """Found in review: a Wan-shaped 5-D latent into a FLUX-type VAE decoded frame 0 in silence. It still decodes
+    what VAEDecode decodes there (ComfyUI 0.8+), and the report's first line says the other frames were dropped."""
+    latent = {"samples": torch.randn(1, 16, 3, 8, 8)}
+    ours, report = run_node(comfy_env, latent, kl_vae)
+    first, _ = run_node(comfy_env, {"samples": latent["samples"][:, :, 0]}, kl_vae)
+    assert torch.equal(ours, first)
+    assert report.splitlines()[0].startswith("a video latent of 3 frames into an image VAE: only its first frame"), report
+    _, one = run_node(comfy_env, {"samples": torch.randn(1, 16, 1, 8, 8)}, kl_vae)
+    assert "video latent" not in one
+
+
 # ----------------------------------------------------------------------------------------------- Wan 2.2
 def vae_with_swapped_classes(module, swaps: dict, sd: dict):
     """``comfy.sd.VAE(sd=sd)`` while ``module``'s classes named in ``swaps`` are replaced (restored at once):
@@ -652,6 +664,20 @@ def test_ltx_spatial_tiles_are_exact(comfy_env):
     p, p_comfy = psnr(ours, ref), psnr(comfy_tiled, ref)
     print(f"\nLTX tiles (256 px): Levers {p:.1f} dB, VAEDecodeTiled (256 / 64) {p_comfy:.1f} dB\n{report}")
     assert p >= 60 and p >= p_comfy + 10, report
+
+
+def test_ltx_named_error_for_a_latent_of_another_family(comfy_env, caplog):
+    """Found in review: a FLUX or Wan 2.2 latent into the LTX VAE failed with a bare tensor-size error (LTX's
+    per-channel statistics fail before any convolution), after a warning with a traceback about probing the split.
+    Now it is the named channel error, without the warning."""
+    from comfyui_levers.core.errors import ConfigError
+
+    vae = ltx_vae(False)
+    for channels in (16, 48):
+        caplog.clear()
+        with pytest.raises(ConfigError, match=rf"samples.*{channels} channels.*128-channel latents.*connect the VAE"):
+            run_node(comfy_env, {"samples": torch.randn(1, channels, 2, 4, 4)}, vae)
+        assert not [r for r in caplog.records if "probing the split" in r.getMessage()]
 
 
 def test_ltx_sizes_below_its_32px_scale_round_the_safe_way(comfy_env):
