@@ -235,3 +235,20 @@ def bench(gib: float = 4.0, layers: int = 16) -> dict:
 if __name__ == "__main__":
     gib = float(sys.argv[sys.argv.index("--gib") + 1]) if "--gib" in sys.argv else 4.0
     print(json.dumps(bench(gib), indent=1))
+
+
+@needs_cuda
+def test_two_stores_share_a_pinned_range_until_the_last_lets_go():
+    """The real driver's registry (tests/test_pinned.py emulates it): a second store on memory the first page-locked
+    takes a use of it; the first's unpin leaves it page-locked, the second's unregisters it."""
+    from comfyui_levers.core.residency.pinned import group_by_storage
+    from comfyui_levers.core.residency.transport import pinned_by_levers
+
+    w = torch.randn(1 << 20)
+    first, second = (PinnedStore(CudaTransport("cuda"), "on", None) for _ in range(2))
+    assert first.pin_component("dit", group_by_storage([("w", w)])).reason == "pinned in place"
+    assert "shared with another Levers node" in second.pin_component("dit", group_by_storage([("w", w)])).reason
+    first.unpin_all()
+    assert w.is_pinned() and pinned_by_levers(w)
+    second.unpin_all()
+    assert not w.is_pinned() and not pinned_by_levers(w)
