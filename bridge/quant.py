@@ -34,6 +34,15 @@ _LOAD_STATE_ATTRS = ("comfy_patched_weights", "prev_comfy_cast_weights", "comfy_
                      "_v_weight", "_v_bias", "_v_signature", "_prefetch", "_pin_state", "seed_key")
 
 
+def _converts_codes(patch) -> bool:
+    """Does this lowvram weight patch call the layer's ``convert_weight`` on what it is given (ComfyUI 0.3.x's
+    LowVramPatch)? Later releases keep the attribute but patch the weight as given."""
+    if getattr(patch, "convert_func", None) is None:
+        return False
+    call = getattr(type(patch), "__call__", None)
+    return "convert_func" in getattr(getattr(call, "__code__", None), "co_names", ())
+
+
 class ComfyQuantLinear(QuantLinear):
     """QuantLinear that takes part in ComfyUI's cast/patch machinery (a ``CastWeightBiasOp`` look-alike)."""
 
@@ -52,7 +61,13 @@ class ComfyQuantLinear(QuantLinear):
             return super().forward(x)
         w = self.dequantize(x.dtype, x.device)                               # (out, in)
         for f in self.weight_function:   # lowvram LoRA patches apply to the dequantized weight
-            w = f(w)
+            if _converts_codes(f):
+                # ComfyUI 0.3.x's LowVramPatch dequantizes what it is given with our convert_weight and
+                # re-quantizes the patched result with set_weight itself: it takes the stored codes (as floats,
+                # exact), not the dequantized weight, which it would read as codes (found in review)
+                w = f(self.weight.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+            else:
+                w = f(w)
         b = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
         for f in self.bias_function:
             b = f(b)
@@ -556,6 +571,19 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
                          quantize_modulation=qmod)
     new, report = quantize_patcher(model, config)
     report.notes[:0] = notes
+    if new is not model and not report.layers:
+        # the settings keep every layer (keep_* over all blocks, an extra_skip that matches everything): the input
+        # is what the user gets, not a full-precision copy labelled quantized (found in review)
+        why = ("the settings keep every layer (lower keep_first_blocks / keep_last_blocks, or narrow extra_skip)"
+               if config.keep_first_blocks or config.keep_last_blocks or config.extra_skip else
+               f"the census found no layer {config.format} may take (below)")
+        from ..core.quant.census import census as run_census
+        kept = run_census(model.model.diffusion_model, arch=report.arch, config=config)
+        text = "\n".join([f"QuantizeDiT: nothing quantized, the model passes through unchanged: {why}",
+                           *(f"  note: {n}" for n in notes), kept.format_text()])
+        if path is not None:
+            text += "\nnot saved: nothing was quantized (the file would be the unchanged model)"
+        return model, text
     passed = new is model
     text = (report.format_text() if not passed else
             f"QuantizeDiT: passed through unchanged; the requested {config.format} {config.granularity} was not "
@@ -579,6 +607,13 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
             text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
         save_quantized(new, path, held, report.arch)
         loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held)
-                    else "Levers layout: load it with Load Quantized DiT (Levers); see the README, QuantizeDiT: File layouts")
+                    else "Levers layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion Model "
+                         "reads it without its scales, with wrong output and no error; see the README, QuantizeDiT: "
+                         "File layouts")
         text += f"\nsaved: {path} ({loadable})"
+        if model.patches:
+            # the file holds the module's tensors: ComfyUI keeps a LoRA as patches on the patcher, applied at load
+            text += (f"\n  note: the input's weight patches ({len(model.patches)} weights, a LoRA or other model "
+                     "patch) are not in the file: it holds the base weights quantized; apply the same LoRA after "
+                     "the loader, or quantize before the LoRA")
     return new, text

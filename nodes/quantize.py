@@ -31,12 +31,15 @@ class LeversQuantizeDiT(io.ComfyNode):
                                tooltip="Weights per scale. auto: fp8 per_tensor in ComfyUI's own layout when available "
                                        "(else per_row), int8 per_row, nf4 per_block (64)."),
                 io.Int.Input("keep_first_blocks", default=0, min=0, max=200,
-                             tooltip="Keep the first N transformer blocks (execution order) in full precision."),
+                             tooltip="Keep the first N transformer blocks (execution order) in full precision. Counts "
+                                     "the blocks that hold layers to quantize (an SDXL UNet's convolution-only "
+                                     "blocks are not counted)."),
                 io.Int.Input("keep_last_blocks", default=0, min=0, max=200,
                              tooltip="Keep the last N transformer blocks in full precision."),
                 io.String.Input("extra_skip", default="", optional=True,
-                                tooltip="Comma-separated layer-name patterns to keep (substring or glob), e.g. "
-                                        "'img_mlp, single_blocks.3*'."),
+                                tooltip="Comma-separated layer-name patterns to keep (substring or glob, "
+                                        "case-sensitive), e.g. 'img_mlp, single_blocks.3*'. A pattern that "
+                                        "matches no layer gets a note."),
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto."),
                 io.String.Input("save_path", default="", optional=True,
                                 tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "

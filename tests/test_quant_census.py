@@ -250,13 +250,28 @@ def test_census_per_architecture(arch, must_quant, must_keep):
 
 
 def test_sdxl_block_order_and_keep_first_last():
-    c = census(sdxl_keys(), config=QuantConfig("fp8", keep_first_blocks=2, keep_last_blocks=1))
-    assert c.n_blocks == 5  # input_blocks.0 (conv_in), .4, .7, middle_block, output_blocks.2
+    """keep_first / keep_last count the blocks that hold layers to quantize (found in review: on the real SDXL
+    UNet, whose first input blocks are convolutions only, keep_first_blocks 1-4 kept nothing, in silence)."""
     p = "model.diffusion_model."
-    assert not c.should_quantize(p + "input_blocks.4.1.proj_in.weight")
+    c = census(sdxl_keys(), config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    assert c.n_blocks == 5  # input_blocks.0 (conv_in), .4, .7, middle_block, output_blocks.2
+    assert not c.should_quantize(p + "input_blocks.4.1.proj_in.weight")      # the first block with attention
     assert c.should_quantize(p + "input_blocks.7.1.proj_in.weight")
     assert c.should_quantize(p + "middle_block.1.proj_in.weight")
     assert not c.should_quantize(p + "output_blocks.2.1.proj_in.weight")
+    c = census(sdxl_keys(), config=QuantConfig("fp8", keep_first_blocks=2, keep_last_blocks=1))
+    assert [e.key for e in c.quantized if "proj_in" in e.key] == [p + "middle_block.1.proj_in.weight"]
+    assert not c.notes
+
+
+def test_settings_that_quantize_nothing_or_match_nothing_say_so():
+    """Found in review: keep_* covering every block, or an extra_skip that matched no layer, gave no word."""
+    c = census(flux_keys(), config=QuantConfig("fp8", keep_first_blocks=4, keep_last_blocks=3))
+    assert not c.quantized and any("keep all 7 blocks" in n and "nothing is quantized" in n for n in c.notes)
+    c = census(flux_keys(), config=QuantConfig("fp8", extra_skip=("img_attn", "IMG_ATTN", "nomatch*")))
+    unmatched = [n for n in c.notes if "matched no layer" in n]
+    assert len(unmatched) == 2 and "'IMG_ATTN'" in unmatched[0] and "'nomatch*'" in unmatched[1]
+    assert "double_blocks.0.img_mlp.0" in unmatched[0]                      # an example of what patterns match
 
 
 def test_keep_first_last_follow_execution_order_across_groups():

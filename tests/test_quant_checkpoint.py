@@ -114,6 +114,22 @@ def test_refuses_overwrite_without_force(src, tmp_path):
     assert len(load_file(str(out))) > 0
 
 
+def test_the_saved_file_follows_the_umask_like_any_saved_model(src, tmp_path):
+    """Found in review: the file kept mkstemp's owner-only mode 0600, so another user (a shared ComfyUI install, a
+    server running as a service account) could not load it."""
+    import os
+    import stat
+
+    path, _ = src
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "shared.safetensors"
+        ckpt.quantize_file(path, str(out), QuantConfig("fp8"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+
+
 def test_error_midway_leaves_no_partial_file(src, tmp_path):
     path, _ = src
     out = tmp_path / "out.safetensors"

@@ -14,7 +14,7 @@ import fnmatch
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 import torch
@@ -358,12 +358,6 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
         if blk is None:
             keep("outside the blocks (embedder, final layer, head)")
             continue
-        if blk < keep_first:
-            keep(f"keep_first_blocks={keep_first}")
-            continue
-        if blk >= n_blocks - keep_last:
-            keep(f"keep_last_blocks={keep_last}")
-            continue
         if not modulation and not any(re.search(p, layer) for p in rules.quantize):
             keep(f"not a quantizable projection in the {arch} census")
             continue
@@ -377,4 +371,33 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
                 continue
         entries.append(CensusEntry(key, shape, nbytes, True, "quantize (modulation linear)" if modulation
                                    else "quantize", blk))
+    # keep_first / keep_last count the blocks that hold a layer to quantize, in execution order (an SDXL UNet's
+    # first input blocks are convolutions only: keep_first_blocks=1 keeps its first block with attention)
+    held = sorted({e.block for e in entries if e.quantize})
+    kept_blocks = {b: f"keep_first_blocks={keep_first}" for b in held[:keep_first]}
+    kept_blocks.update({b: f"keep_last_blocks={keep_last}" for b in held[len(held) - keep_last:] if keep_last})
+    if kept_blocks:
+        entries = [replace(e, quantize=False, reason=kept_blocks[e.block]) if e.quantize and e.block in kept_blocks
+                   else e for e in entries]
+    if held and len(kept_blocks) == len(held):
+        notes.append(f"keep_first_blocks={keep_first} and keep_last_blocks={keep_last} keep all {len(held)} blocks "
+                     "that hold layers to quantize: nothing is quantized")
+    layers = [names[k][: -len(".weight")] for k in shapes if k not in outside and names[k].endswith(".weight")]
+    for p in extra:
+        if _extra_skip_match_any(layers, p) is None:
+            notes.append(f"extra_skip '{p}' matched no layer (a part of a layer name, case-sensitive, e.g. "
+                         f"'{_example_layer(entries, names)}', or a pattern with * ? [ ])")
     return Census(arch=arch, entries=tuple(entries), n_blocks=n_blocks, notes=tuple(notes))
+
+
+def _extra_skip_match_any(layers: list[str], pattern: str) -> str | None:
+    return next((n for n in layers if _extra_skip_match(n, (pattern,)) is not None), None)
+
+
+def _example_layer(entries, names: dict[str, str]) -> str:
+    """A quantized layer's name (what extra_skip patterns match), for the note."""
+    e = next((e for e in entries if e.quantize), None) or next((e for e in entries if e.key in names), None)
+    if e is None:
+        return "blocks.0.attn"
+    n = names[e.key]
+    return n[: -len(".weight")] if n.endswith(".weight") else n

@@ -140,6 +140,7 @@ class _StreamingSafetensors:
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it owner-only; a saved model follows the umask
             os.replace(tmp, self.out_path)  # atomic on the same filesystem
         except BaseException:
             _unlink(tmp)
@@ -151,6 +152,12 @@ class _StreamingSafetensors:
         if not self.data.closed:
             self.data.close()
         _unlink(self.data_path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _unlink(path: str) -> None:

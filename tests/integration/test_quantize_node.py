@@ -88,6 +88,51 @@ def test_lora_after_quantization(node, tiny_wan, base, comfy_env, fmt, granulari
     assert torch.equal(tiny_wan.sample(qmodel, seed=1)["samples"], q_plain)
 
 
+def _forward(patcher, inputs, partial: bool):
+    """One diffusion-model call after ComfyUI loads ``patcher`` fully, or partially (lowvram: every layer cast and
+    patched per call, LoRA through each layer's weight_function)."""
+    import comfy.model_management as mm
+
+    mm.unload_all_models()
+    if partial:
+        patcher.load(torch.device("cpu"), lowvram_model_memory=1, force_patch_weights=False, full_load=False)
+    else:
+        patcher.load(torch.device("cpu"), lowvram_model_memory=0, full_load=True)
+    try:
+        patched = sum(1 for m in patcher.model.modules() if getattr(m, "weight_function", None))
+        x, sigma, context, extra = inputs
+        with torch.inference_mode():
+            denoised = patcher.model.apply_model(x, sigma, c_crossattn=context, **extra)
+        return x - denoised.float(), patched
+    finally:
+        patcher.detach() if hasattr(patcher, "detach") else patcher.unpatch_model(patcher.offload_device)
+
+
+@pytest.mark.parametrize("fmt,granularity", [("fp8_e4m3fn", "per_row"), ("int8", "auto"), ("nf4", "auto")])
+def test_lora_on_quantized_layers_under_a_partial_load_matches_the_full_load(node, tiny_wan, comfy_env, fmt,
+                                                                            granularity):
+    """Found in review: on ComfyUI 0.3.64 a partial load's LoRA patch dequantizes what the layer hands it (with the
+    layer's convert_weight) and re-quantizes the result itself; it was handed the dequantized weight, read it as
+    codes, and the output was 23 dB from the full load (nf4 raised a reshape error). Now it gets the codes, and
+    the partial load gives the full load's output on every release."""
+    import comfy.sd
+    from comfyui_levers.bridge.quant import _synthetic_inputs
+
+    model = tiny_wan.load_model()
+    lora = _tiny_lora(model)
+    qmodel, _ = run(node, model, format=fmt, granularity=granularity, quality_check=False)
+    with_lora = comfy.sd.load_lora_for_models(qmodel, None, lora, 1.0, 0.0)[0]
+    inputs = _synthetic_inputs(model, 0)
+    full, _ = _forward(with_lora, inputs, partial=False)
+    low, patched = _forward(with_lora, inputs, partial=True)
+    plain, _ = _forward(qmodel, inputs, partial=False)
+    assert patched > 0                                  # the partial load really patched per call
+    # a full load re-quantizes the patched weight (set_weight); 0.8+'s partial load patches the dequantized one,
+    # so the two differ by one re-quantization: small for 8-bit codes, nf4's own error for nf4
+    assert psnr(full, low) >= (35.0 if fmt == "nf4" else 45.0), psnr(full, low)
+    assert psnr(full, plain) < 40.0                     # and the LoRA really changes the output
+
+
 def _load_saved_fp8(comfy_env, name: str, report: str):
     """The saved fp8 per_tensor file, loaded as the report says: by the stock UNETLoader, or on a ComfyUI whose
     stock loader cannot read ComfyUI's fp8 layout (0.3.64) by the pack's loader, as the report tells the user."""
@@ -125,6 +170,45 @@ def test_already_quantized_passes_through(node, tiny_wan, base):
     fp8_loaded = tiny_wan.load_model(weight_dtype="fp8_e4m3fn")
     again, report = run(node, fp8_loaded, format="int8")
     assert again is fp8_loaded and "already" in report
+
+
+def test_settings_that_quantize_nothing_pass_the_input_through_and_save_nothing(node, tiny_wan, base, comfy_env):
+    """Found in review: keep_first_blocks over every block (or an extra_skip matching every layer) returned a
+    full-precision copy, the quality check said 'inf dB ... meets the bar', and a save_path wrote that copy labelled
+    as a Levers quantized file."""
+    model, ref = base
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_nothing.safetensors")
+    if os.path.exists(path):
+        os.unlink(path)
+    for kw in (dict(keep_first_blocks=10), dict(extra_skip="blocks")):
+        out, report = run(node, model, format="int8", save_path=path, **kw)
+        assert out is model, report
+        assert report.startswith("QuantizeDiT: nothing quantized, the model passes through unchanged: the settings "
+                                 "keep every layer"), report
+        assert "not saved: nothing was quantized" in report and not os.path.exists(path)
+        assert "quality check" not in report
+    _, report = run(node, model, format="int8", extra_skip="ATTN, self_attn", quality_check=False)
+    assert "extra_skip 'ATTN' matched no layer" in report and "'self_attn' matched" not in report, report
+
+
+def test_a_lora_on_the_input_is_named_as_not_in_the_saved_file(node, tiny_wan, base, comfy_env):
+    """Found in review: LoRA then QuantizeDiT with a save_path saved the base weights (the LoRA stays a patch on the
+    returned model, as ComfyUI keeps it) without a word."""
+    import comfy.sd
+
+    model, _ = base
+    with_lora = comfy.sd.load_lora_for_models(model, None, _tiny_lora(model), 1.0, 0.0)[0]
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_lora_int8.safetensors")
+    if os.path.exists(path):
+        os.unlink(path)
+    _, report = run(node, with_lora, format="int8", save_path=path, quality_check=False)
+    assert os.path.exists(path)
+    assert f"weight patches ({len(with_lora.patches)} weights" in report and "not in the file" in report, report
+    assert "reads it without its scales, with wrong output and no error" in report
+    os.unlink(path)
+    _, plain = run(node, model, format="int8", save_path=path, quality_check=False)
+    assert "not in the file" not in plain
+    os.unlink(path)
 
 
 def test_a_passed_through_model_is_saved_as_it_holds_it_or_not_at_all(node, tiny_wan, base, comfy_env):
