@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from comfyui_levers.core.errors import ConfigError
 from comfyui_levers.core.quant import QuantConfig, Granularity, census, get_quantizer, sqnr
 from comfyui_levers.core.quant import checkpoint as ckpt
 from comfyui_levers.core.quant.cli import main as cli_main
@@ -128,6 +129,14 @@ def test_the_saved_file_follows_the_umask_like_any_saved_model(src, tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
+
+
+def test_settings_that_keep_every_layer_are_named_instead_of_the_architecture(src, tmp_path):
+    path, _ = src
+    out = tmp_path / "none.safetensors"
+    with pytest.raises(ConfigError, match=r"keep-first-blocks.*They keep every layer.*nothing is quantized"):
+        ckpt.quantize_file(path, str(out), QuantConfig("fp8", keep_first_blocks=200))
+    assert not out.exists()
 
 
 def test_error_midway_leaves_no_partial_file(src, tmp_path):

@@ -237,6 +237,12 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
             raise ConfigError("IN", src, "an unquantized (bf16/fp16/fp32) checkpoint",
                               f"its block weights are already {', '.join(coded)} codes; quantize the bf16 original "
                               "(quantizing codes again only adds rounding)")
+        if not targets and (config.keep_first_blocks or config.keep_last_blocks or config.extra_skip):
+            raise ConfigError("--keep-first-blocks / --keep-last-blocks / --extra-skip",
+                              (config.keep_first_blocks, config.keep_last_blocks, ", ".join(config.extra_skip)),
+                              "settings that leave some layer to quantize",
+                              "They keep every layer of " + os.path.basename(src) + ("; " + "; ".join(plan.notes)
+                                                                                       if plan.notes else ""))
         if not targets:
             raise ConfigError("arch", plan.arch, "an architecture whose census finds weights to quantize",
                               f"nothing in {os.path.basename(src)} matched the {plan.arch} census "
