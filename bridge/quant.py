@@ -354,6 +354,27 @@ def resolve_save_path(save_path: str) -> str:
     return full
 
 
+def plan_for_another_family(plan, model) -> str:
+    """A note when ``plan`` was made for a model of another family than ``model`` (a plan wired from another
+    graph: its format and modulation choices were sized for that model), else ""."""
+    if plan is None or not isinstance(getattr(plan, "model", None), str):
+        return ""
+    from ..core.errors import LeversError
+    from ..core.presets import get_preset
+    from .recommend import _family
+
+    try:
+        planned = get_preset(plan.model.split(" (")[0]).family
+        family, _ = _family(model)
+    except (LeversError, AttributeError, KeyError):
+        return ""
+    if family == "custom" or planned == family:
+        return ""
+    return (f"the plan was made for {plan.model.split(' (')[0]} (a {planned} model) and this is a {family} model: "
+            "its format and modulation choices were sized for that one; connect this model to Recommend for its own "
+            "plan")
+
+
 def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
     """The node's ``auto``: the plan's diffusion-model precision, else fp8; missing backends fall back to fp8."""
     notes = []
@@ -561,6 +582,9 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     chosen, notes = choose_format(fmt, plan)
     qmod = choose_modulation(modulation, plan, notes)
+    mismatch = plan_for_another_family(plan, model)
+    if mismatch:
+        notes.append(mismatch)
     path = resolve_save_path(save_path) if save_path and save_path.strip() else None   # before any work
     gran = granularity
     if gran == "auto" and chosen == "fp8_e4m3fn":

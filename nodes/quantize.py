@@ -40,7 +40,8 @@ class LeversQuantizeDiT(io.ComfyNode):
                                 tooltip="Comma-separated layer-name patterns to keep (substring or glob, "
                                         "case-sensitive), e.g. 'img_mlp, single_blocks.3*'. A pattern that "
                                         "matches no layer gets a note."),
-                PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto."),
+                PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto. A plan "
+                                                          "made for another model family gets a note."),
                 io.String.Input("save_path", default="", optional=True,
                                 tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
                                         "per_tensor is ComfyUI's own layout (stock UNETLoader loads it from ComfyUI 0.3.7x on; "

@@ -336,6 +336,23 @@ def test_modulation_quantize_keep_and_the_plans_choice(node, comfy_env):
         run(node, model, format="fp8_e4m3fn", modulation="sometimes")
 
 
+def test_a_plan_made_for_another_family_gets_a_note(node, tiny_wan, base, comfy_env):
+    """Found in review: a Recommend plan from another graph (made for FLUX) wired into a Wan model was used without a
+    word; its format and modulation were sized for the other model."""
+    from comfyui_levers.core.plan import Workload, plan as make_plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+
+    model, _ = base
+    machine = synthetic_machine(vram_gb=12, ram_gb=64, h2d_gbps=25.0)
+    flux = make_plan(get_preset("flux1-dev"), Workload(1024, 1024), machine)
+    wan = make_plan(get_preset("wan2.1-14b"), Workload(832, 480, 33), machine)
+    _, other = run(node, model, format="int8", plan=flux, quality_check=False)
+    assert "the plan was made for flux1-dev (a flux model) and this is a wan model" in other, other
+    _, same = run(node, model, format="int8", plan=wan, quality_check=False)
+    assert "the plan was made for" not in same
+
+
 def test_save_path_is_checked_before_any_work_and_subfolders_are_made(node, tiny_wan, base, comfy_env, monkeypatch,
                                                                       tmp_path):
     """A bad save_path fails at once, naming the fix, not after minutes of quantizing (found in review: a folder
