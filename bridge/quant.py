@@ -630,10 +630,12 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
                 return new, f"{text}\n{line}"
             text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
         save_quantized(new, path, held, report.arch)
-        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held)
-                    else "Levers layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion Model "
-                         "reads it without its scales, with wrong output and no error; see the README, QuantizeDiT: "
-                         "File layouts")
+        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held) else
+                    "nf4 in bitsandbytes' layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion "
+                    "Model fails on it" if str(held.format) == "nf4" else
+                    "Levers layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion Model "
+                    "reads it without its scales, with wrong output and no error; see the README, QuantizeDiT: "
+                    "File layouts")
         text += f"\nsaved: {path} ({loadable})"
         if model.patches:
             # the file holds the module's tensors: ComfyUI keeps a LoRA as patches on the patcher, applied at load

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 from .plan_types import ComponentPlan, Plan, Streaming, Tiling
-from .presets import REFERENCE_FAMILIES, BlockKind, ModelSpec
+from .presets import BlockKind, ModelSpec, takes_references
 from .probe import CPU_TFLOPS, GiB, Machine
 from .types import Component, Goal, Precision, Residency
 
@@ -543,7 +543,7 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
         notes.append(f"frames={wl.frames}: {spec.name}'s VAE decodes {spec.vae_temporal}n+1 frames, so ComfyUI's "
                      f"latent for this length gives {decoded} (use {decoded} or "
                      f"{decoded + spec.vae_temporal}); planned for {wl.frames}")
-    if wl.references and spec.family not in REFERENCE_FAMILIES:
+    if wl.references and not takes_references(spec):
         notes.append(f"reference_images={wl.references} ignored: {spec.name} takes no reference images into its "
                      f"sequence (ComfyUI's ReferenceLatent is for FLUX Kontext, FLUX.2, Qwen-Image-Edit and Z-Image); "
                      f"planned without them")

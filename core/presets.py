@@ -24,6 +24,12 @@ JOINT_TEXT_FAMILIES = ("flux", "flux2", "sd3", "hunyuan", "qwen", "wan", "lumina
 REFERENCE_FAMILIES = ("flux", "flux2", "qwen", "lumina", "wan", "ltxv", "custom")
 
 
+def takes_references(spec: "ModelSpec") -> bool:
+    """Whether reference images join ``spec``'s sequence. Chroma is FLUX's family, but its model ignores them
+    (comfy/ldm/chroma/model.py reads no ref_latents)."""
+    return spec.family in REFERENCE_FAMILIES and not spec.name.startswith("chroma")
+
+
 @dataclass(frozen=True)
 class BlockKind:
     """One kind of repeated block, ``count`` of them in a row (execution order): the parameters of one block, and

@@ -64,7 +64,7 @@ class LeversGroupPrefetch(io.ComfyNode):
                 io.Int.Input("resident_groups", default=-1, min=-1, max=512,
                              tooltip="Groups at the start of the model that stay in VRAM. 0 = stream every block. "
                                      "-1 = auto: as many as fit the budget after the slots."),
-                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25,
+                io.Float.Input("vram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.25, round=0.01,
                                tooltip="VRAM (GiB) for this model's weights: resident part + slots. 0 = auto: what "
                                        "ComfyUI's own load would give this model (free memory plus what other loaded "
                                        "models hold, which ComfyUI unloads for it) minus this run's activations as "

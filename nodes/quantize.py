@@ -35,13 +35,14 @@ class LeversQuantizeDiT(io.ComfyNode):
                                      "the blocks that hold layers to quantize (an SDXL UNet's convolution-only "
                                      "blocks are not counted)."),
                 io.Int.Input("keep_last_blocks", default=0, min=0, max=200,
-                             tooltip="Keep the last N transformer blocks in full precision."),
+                             tooltip="Keep the last N transformer blocks in full precision. Counts the blocks "
+                                     "that hold layers to quantize, like keep_first_blocks."),
                 io.String.Input("extra_skip", default="", optional=True,
-                                tooltip="Comma-separated layer-name patterns to keep (substring or glob, "
-                                        "case-sensitive), e.g. 'img_mlp, single_blocks.3*'. A pattern that "
-                                        "matches no layer gets a note."),
-                PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format on auto. A plan "
-                                                          "made for another model family gets a note."),
+                                tooltip="Comma-separated layer-name patterns to keep: a substring, or a glob "
+                                        "(* ? [ ]) matched against the whole layer name; case-sensitive. E.g. "
+                                        "'img_mlp, single_blocks.3*'. A pattern that matches no layer gets a note."),
+                PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format and modulation on "
+                                                          "auto. A plan made for another model family gets a note."),
                 io.String.Input("save_path", default="", optional=True,
                                 tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
                                         "per_tensor is ComfyUI's own layout (stock UNETLoader loads it from ComfyUI 0.3.7x on; "

@@ -50,7 +50,7 @@ class LeversTiledVAEDecode(io.ComfyNode):
                                      "cache (or stream each layer's context), so they are exact."),
                 io.Int.Input("temporal_overlap", default=0, min=0, max=4096, step=4,
                              tooltip="Accepted for VAEDecodeTiled parity; not needed (chunks are exact), ignored."),
-                io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
+                io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25, round=0.001,
                                tooltip="Memory the decode may use, in GiB. 0 = 90% of the free memory on the VAE's "
                                        "device after unloading other models."),
                 io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",

@@ -495,7 +495,7 @@ Run this graph once: QuantizeDiT turns FLUX.1-dev into fp8 weights (per-tensor s
 
 Then use the stock "Load Diffusion Model" with that file in any workflow (the muted loader on the right shows it; select it and press Ctrl+M to enable it), without a QuantizeDiT node: loading reads half the bytes from disk and needs half the RAM.
 
-Quantizing needs the 16-bit model in host RAM once. format = int8 (torchao, per-row) or nf4 (bitsandbytes, smallest, visibly lossy) are alternatives; only fp8 per_tensor files load with the stock loader.""")
+Quantizing needs the 16-bit model in host RAM once. format = int8 (torchao, per-row) or nf4 (bitsandbytes, smallest, visibly lossy) are alternatives; only fp8 per_tensor files load correctly with the stock loader (from ComfyUI 0.3.7x on); the others need Load Quantized DiT (Levers).""")
     g.group("Run once: quantize and save", unet, quant, *reports)
     g.group("After that: the stock loader reads the fp8 file", loader)
     return g
