@@ -50,6 +50,31 @@ def test_saved_file_loads_bit_identical(nodes, tiny_wan, base, comfy_env, fmt, g
     assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], ref)
 
 
+@pytest.mark.parametrize("fmt,granularity", [("int8", "auto"), ("fp8_e4m3fn", "per_row"), ("nf4", "auto")])
+def test_what_the_save_line_says_of_the_stock_loader_holds(nodes, tiny_wan, base, comfy_env, fmt, granularity):
+    """The save line's claim about the stock Load Diffusion Model, checked against it: a Levers-layout file loads
+    without its scales (wrong output, no error), an nf4 file fails to load."""
+    from comfyui_levers.core.quant import psnr
+
+    quantize, _ = nodes
+    name = f"levers_stock_{fmt}_{granularity}.safetensors"
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", name)
+    if os.path.exists(path):
+        os.unlink(path)
+    qmodel, report = quantize.execute(base, save_path=path, format=fmt, granularity=granularity,
+                                      quality_check=False).result
+    stock = comfy_env.nodes.UNETLoader()
+    if fmt == "nf4":
+        assert "the stock Load Diffusion Model fails on it" in report, report
+        with pytest.raises(Exception):
+            stock.load_unet(name, "default")
+        return
+    assert "reads it without its scales, with wrong output and no error" in report, report
+    wrong = stock.load_unet(name, "default")[0]
+    ref = tiny_wan.sample(qmodel, seed=1)["samples"]
+    assert psnr(ref, tiny_wan.sample(wrong, seed=1)["samples"]) < 25.0
+
+
 def test_plain_file_uses_comfyui_loader(nodes, tiny_wan, base):
     _, load = nodes
     loaded, report = load.execute(tiny_wan.unet_name).result
