@@ -54,29 +54,6 @@ _BANDWIDTH: dict[str, float] = {}
 # Per diffusion model, the weight keys the last run streamed patched (LoRA): ComfyUI may restore them in place
 # into our arena views at its next load, which the store cannot see by pointer, so they are re-staged then.
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
-# Per diffusion model, how many GroupPrefetch clones of it are alive (node outputs ComfyUI still holds). When the last
-# goes, so does the model's cached store: its finalizer unpins the host copies, and the weights, still views of them,
-# keep their values as ordinary host memory (freed once ComfyUI moves them elsewhere). Without this the store stayed
-# pinned, and held the streamed blocks a second time after ComfyUI's next unload, for as long as the model lived.
-_USERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
-
-
-def _track_user(root: nn.Module, state: "PrefetchState") -> None:
-    _USERS[root] = _USERS.get(root, 0) + 1
-    weakref.finalize(state, _drop_user, weakref.ref(root)).atexit = False
-
-
-def _drop_user(root_ref: "weakref.ref[nn.Module]") -> None:
-    root = root_ref()
-    if root is None:
-        return
-    left = _USERS.get(root, 1) - 1
-    if left > 0:
-        _USERS[root] = left
-        return
-    _USERS.pop(root, None)
-    _STORES.pop(root, None)
-    _PATCHED.pop(root, None)
 
 
 def _gb(n: float) -> str:
@@ -783,7 +760,6 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     diffusion = clone.model.diffusion_model
     budget = plan_budget if plan_budget is not None else PlanBudget(budget_bytes, "node" if budget_bytes else "auto")
     state = PrefetchState(BridgeRequest(config, budget_bytes, budget), node_id)
-    _track_user(diffusion, state)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached
     clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)

@@ -59,15 +59,17 @@ class ComfyQuantLinear(QuantLinear):
         comfy.model_management.throw_exception_if_processing_interrupted()
         if not self.weight_function and not self.bias_function:
             return super().forward(x)
-        w = self.dequantize(x.dtype, x.device)                               # (out, in)
+        w = None
         for f in self.weight_function:   # lowvram LoRA patches apply to the dequantized weight
             if _converts_codes(f):
                 # ComfyUI 0.3.x's LowVramPatch dequantizes what it is given with our convert_weight and
                 # re-quantizes the patched result with set_weight itself: it takes the stored codes (as floats,
                 # exact), not the dequantized weight, which it would read as codes (found in review)
-                w = f(self.weight.to(device=x.device, dtype=torch.float32)).to(x.dtype)
+                w = f(self.weight.to(x.device).float()).to(x.dtype)      # the codes cross the bus once
             else:
-                w = f(w)
+                w = f(self.dequantize(x.dtype, x.device) if w is None else w)
+        if w is None:
+            w = self.dequantize(x.dtype, x.device)                           # (out, in)
         b = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
         for f in self.bias_function:
             b = f(b)
@@ -363,12 +365,14 @@ def plan_for_another_family(plan, model) -> str:
     from ..core.presets import get_preset
     from .recommend import _family
 
+    preset = plan.model.split(" (")[0]
     try:
-        planned = get_preset(plan.model.split(" (")[0]).family
-        family, _ = _family(model)
+        planned = get_preset(preset).family
+        family, detected = _family(model)
     except (LeversError, AttributeError, KeyError):
         return ""
-    if family == "custom" or planned == family:
+    # the family, or the preset Recommend plans this model from (HiDream-O1: HunyuanImage 2.1's geometry)
+    if family == "custom" or planned == family or preset == detected:
         return ""
     return (f"the plan was made for {plan.model.split(' (')[0]} (a {planned} model) and this is a {family} model: "
             "its format and modulation choices were sized for that one; connect this model to Recommend for its own "

@@ -19,9 +19,9 @@ B = 1e9
 # families whose text tokens pass the blocks' linears (ModelSpec.tokens)
 JOINT_TEXT_FAMILIES = ("flux", "flux2", "sd3", "hunyuan", "qwen", "wan", "lumina", "hidream")
 # families whose sequence takes reference images as tokens in ComfyUI (ReferenceLatent: FLUX Kontext, FLUX.2,
-# Qwen-Image-Edit, Z-Image / Lumina 2; Wan's reference frames; LTX's guide frames) and "custom" (an unknown model
-# may: planned with them, the safe side)
-REFERENCE_FAMILIES = ("flux", "flux2", "qwen", "lumina", "wan", "ltxv", "custom")
+# Qwen-Image-Edit, Z-Image / Lumina 2; Wan's reference frames; LTX's guide frames; HiDream-O1's reference patches) and
+# "custom" (an unknown model may: planned with them, the safe side)
+REFERENCE_FAMILIES = ("flux", "flux2", "qwen", "lumina", "wan", "ltxv", "hidream", "custom")
 
 
 def takes_references(spec: "ModelSpec") -> bool:

@@ -49,8 +49,7 @@ class LeversRecommend(io.ComfyNode):
                              tooltip="Reference images an edit model reads, each at the output size (FLUX Kontext, "
                                      "Qwen-Image-Edit, FLUX 2 references): their tokens join the sequence, so "
                                      "activations and step time grow. 0 for text-to-image; ignored, with a note, "
-                                     "for models that take none (SDXL, SD3, HunyuanVideo, HunyuanImage, HiDream, "
-                                     "Chroma)."),
+                                     "for models that take none (SDXL, SD3, HunyuanVideo, HunyuanImage, Chroma)."),
             ],
             outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
         )

@@ -423,3 +423,27 @@ def test_a_pin_inside_a_levers_range_takes_a_use_and_memory_comfyui_pinned_is_ne
     assert transport.pin_in_place(comfy).reason.startswith("already pinned (by ComfyUI")
     transport.unpin_in_place(comfy)
     assert driver.unregistered == [arena.data_ptr()] and comfy.is_pinned()
+
+
+def test_views_sharing_a_start_are_one_pinned_range_given_back_once(driver):
+    """Found in review: a sparse group with a weight and a slice of it from the same start (tied weights) made two
+    pieces at one address; counted uses then took two and gave one back, leaving the range registered for good."""
+    from comfyui_levers.core.residency.transport import CudaTransport, pinned_by_levers
+
+    class Transport(CudaTransport):
+        def __init__(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    blob = torch.randn(1 << 16)                         # a file-like blob: far more bytes than the views use
+    views = [("w", blob[:1024]), ("w_head", blob[:256]), ("w_tail", blob[512:1024]), ("b", blob[60000:60512])]
+    for order in (views, views[::-1]):
+        groups = group_by_storage(order)
+        assert any(g.per_tensor for g in groups)
+        store = PinnedStore(Transport(), "on", None, has_cuda=True)
+        assert store.pin_component("dit", groups).pinned
+        assert sorted(driver.ranges.values()) == [512 * 4, 1024 * 4]       # w (with its slices) and b
+        store.unpin_all()
+        assert driver.ranges == {} and not pinned_by_levers(blob[:1024])

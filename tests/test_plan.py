@@ -561,10 +561,9 @@ def test_reference_images_of_edit_models_join_the_sequence():
         plan(spec, Workload(1024, 1024, references=-1), m)
 
 
-@pytest.mark.parametrize("model", ["sdxl", "sd3.5-large", "hunyuanvideo", "hidream-i1", "chroma",
-                                   "hunyuanimage-2.1"])
+@pytest.mark.parametrize("model", ["sdxl", "sd3.5-large", "hunyuanvideo", "chroma", "hunyuanimage-2.1"])
 def test_reference_images_on_a_model_that_takes_none_are_ignored_with_a_note(model):
-    """SDXL, SD3, HunyuanVideo and HiDream-I1 append no reference tokens in ComfyUI: the plan is the plain one, and
+    """SDXL, SD3, HunyuanVideo, Chroma and HunyuanImage append no reference tokens in ComfyUI: the plan is the plain one, and
     a note says the input was ignored (it used to plan a longer sequence in silence)."""
     spec, m = get_preset(model), machine(12)
     w, h = spec.default_width, spec.default_height

@@ -268,6 +268,9 @@ def test_settings_that_quantize_nothing_or_match_nothing_say_so():
     """Found in review: keep_* covering every block, or an extra_skip that matched no layer, gave no word."""
     c = census(flux_keys(), config=QuantConfig("fp8", keep_first_blocks=4, keep_last_blocks=3))
     assert not c.quantized and any("keep all 7 blocks" in n and "nothing is quantized" in n for n in c.notes)
+    for first, last in ((0, 8), (0, 100), (10, 0)):                      # more than there are: all kept, said so
+        c = census(flux_keys(), config=QuantConfig("fp8", keep_first_blocks=first, keep_last_blocks=last))
+        assert not c.quantized and any("nothing is quantized" in n for n in c.notes), (first, last)
     c = census(flux_keys(), config=QuantConfig("fp8", extra_skip=("img_attn", "IMG_ATTN", "nomatch*")))
     unmatched = [n for n in c.notes if "matched no layer" in n]
     assert len(unmatched) == 2 and "'IMG_ATTN'" in unmatched[0] and "'nomatch*'" in unmatched[1]

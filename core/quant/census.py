@@ -375,7 +375,7 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
     # first input blocks are convolutions only: keep_first_blocks=1 keeps its first block with attention)
     held = sorted({e.block for e in entries if e.quantize})
     kept_blocks = {b: f"keep_first_blocks={keep_first}" for b in held[:keep_first]}
-    kept_blocks.update({b: f"keep_last_blocks={keep_last}" for b in held[len(held) - keep_last:] if keep_last})
+    kept_blocks.update({b: f"keep_last_blocks={keep_last}" for b in held[max(0, len(held) - keep_last):] if keep_last})
     if kept_blocks:
         entries = [replace(e, quantize=False, reason=kept_blocks[e.block]) if e.quantize and e.block in kept_blocks
                    else e for e in entries]

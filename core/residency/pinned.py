@@ -442,12 +442,15 @@ def _pin_pieces(group: StorageGroup) -> list[torch.Tensor]:
     """The contiguous host ranges to register for a group (the span, or each distinct view)."""
     if not group.per_tensor:
         return [group.host] if group.host.numel() else []
-    seen: dict[tuple, torch.Tensor] = {}
-    for r in group.refs:
-        t = group.host_view(r)
-        if t.is_contiguous() and t.numel():
-            seen.setdefault((r.byte_offset, r.nbytes), t)
-    return list(seen.values())
+    views = sorted(((r.byte_offset, r.nbytes, group.host_view(r)) for r in group.refs), key=lambda v: (v[0], -v[1]))
+    pieces, end = [], -1
+    for offset, nbytes, t in views:
+        # one piece per range: a view inside one already kept (a tied slice, the same start with fewer bytes) is
+        # pinned with it; two pieces with one start would take two uses of one registration and give back one
+        if t.is_contiguous() and t.numel() and offset + nbytes > end:
+            pieces.append(t)
+            end = offset + nbytes
+    return pieces
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

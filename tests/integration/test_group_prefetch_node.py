@@ -57,35 +57,6 @@ def test_bit_identical_with_and_without_the_node(comfy_env, tiny_wan):
         assert not {"_load_list", "load", "model_size"} & set(vars(p))
 
 
-def test_the_host_store_goes_with_the_last_clone_of_the_model(comfy_env, tiny_wan):
-    """Found in review: after the GroupPrefetch clone was dropped (the node removed, the loader's model still
-    cached), the model's host store lived on, pinned on CUDA, with the block weights bound to it; after ComfyUI's
-    next unload the blocks were held twice. The store now goes with the last clone; the weights keep their values,
-    and a second clone alive keeps it for the other."""
-    import gc
-    import weakref
-
-    from comfyui_levers.bridge import prefetch as bp
-
-    model = tiny_wan.load_model()
-    ref = tiny_wan.sample(model)["samples"]
-    first = _prefetch(comfy_env, model, resident_groups=0)[0]
-    second = _prefetch(comfy_env, model, resident_groups=0, prefetch_depth=2)[0]
-    assert torch.equal(tiny_wan.sample(first)["samples"], ref)
-    dm = model.model.diffusion_model
-    store = weakref.ref(bp._STORES[dm][1])
-    del first
-    gc.collect()
-    assert store() is not None and bp._STORES.get(dm) is not None        # the second clone still uses it
-    assert torch.equal(tiny_wan.sample(second)["samples"], ref)
-    del second
-    gc.collect()
-    assert store() is None and bp._STORES.get(dm) is None
-    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
-    again = _prefetch(comfy_env, model, resident_groups=0)[0]              # a new clone builds a new store
-    assert torch.equal(tiny_wan.sample(again)["samples"], ref) and bp._STORES.get(dm) is not None
-
-
 def test_comfy_accounting_sees_only_the_resident_part(comfy_env, tiny_wan):
     from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
 
