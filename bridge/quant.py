@@ -374,7 +374,7 @@ def plan_for_another_family(plan, model) -> str:
     # the family, or the preset Recommend plans this model from (HiDream-O1: HunyuanImage 2.1's geometry)
     if family == "custom" or planned == family or preset == detected:
         return ""
-    return (f"the plan was made for {plan.model.split(' (')[0]} (a {planned} model) and this is a {family} model: "
+    return (f"the plan was made for {preset} (a {planned} model) and this is a {family} model: "
             "its format and modulation choices were sized for that one; connect this model to Recommend for its own "
             "plan")
 
@@ -597,21 +597,24 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     config = QuantConfig(chosen, None if gran == "auto" else gran, keep_first_blocks=int(keep_first_blocks),
                          keep_last_blocks=int(keep_last_blocks), extra_skip=extra_skip or (),
                          quantize_modulation=qmod)
-    new, report = quantize_patcher(model, config)
-    report.notes[:0] = notes
-    if new is not model and not report.layers:
+    require_model(model)
+    from ..core.quant.census import census as run_census
+    dm = model.model.diffusion_model
+    kept = None if is_quantized_module(dm) else run_census(dm, config=config)
+    if kept is not None and not kept.quantized:
         # the settings keep every layer (keep_* over all blocks, an extra_skip that matches everything): the input
-        # is what the user gets, not a full-precision copy labelled quantized (found in review)
+        # is what the user gets, not a full-precision copy labelled quantized (found in review); decided before
+        # the model is copied
         why = ("the settings keep every layer (lower keep_first_blocks / keep_last_blocks, or narrow extra_skip)"
                if config.keep_first_blocks or config.keep_last_blocks or config.extra_skip else
                f"the census found no layer {config.format} may take (below)")
-        from ..core.quant.census import census as run_census
-        kept = run_census(model.model.diffusion_model, arch=report.arch, config=config)
         text = "\n".join([f"QuantizeDiT: nothing quantized, the model passes through unchanged: {why}",
                            *(f"  note: {n}" for n in notes), kept.format_text()])
         if path is not None:
             text += "\nnot saved: nothing was quantized (the file would be the unchanged model)"
         return model, text
+    new, report = quantize_patcher(model, config)
+    report.notes[:0] = notes
     passed = new is model
     text = (report.format_text() if not passed else
             f"QuantizeDiT: passed through unchanged; the requested {config.format} {config.granularity} was not "
@@ -619,8 +622,7 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     if not passed:
         if quality_check_enabled:
             text += "\n  " + quality_check(model, new, config.format)[1]
-        from ..core.quant.census import census as run_census
-        text += "\n" + run_census(model.model.diffusion_model, arch=report.arch, config=config).format_text()
+        text += "\n" + kept.format_text()
     elif quality_check_enabled:
         text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
     if path is not None:
