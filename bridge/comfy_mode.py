@@ -37,6 +37,8 @@ def comfy_mode() -> dict:
         "cpu": bool(getattr(args, "cpu", False)),
         "lowvram_flag": bool(getattr(args, "lowvram", False)),
         "reserve_vram_gb": getattr(args, "reserve_vram", None),
+        # what ComfyUI keeps free for other programs (400 MiB on Linux, 600 MiB on Windows, or --reserve-vram)
+        "extra_reserved_vram_bytes": _extra_reserved(mm),
     }
     notes = []
     if facts["dynamic_vram"]:
@@ -50,6 +52,12 @@ def comfy_mode() -> dict:
         notes.append("--lowvram has no effect under DynamicVRAM")
     facts["notes"] = tuple(notes)
     return facts
+
+
+def _extra_reserved(mm) -> int | None:
+    fn = getattr(mm, "extra_reserved_memory", None)
+    value = fn() if callable(fn) else getattr(mm, "EXTRA_RESERVED_VRAM", None)
+    return int(value) if isinstance(value, (int, float)) else None
 
 
 def comfy_device_facts() -> dict:

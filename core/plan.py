@@ -17,6 +17,10 @@ from .probe import CPU_TFLOPS, GiB, Machine
 from .types import Component, Goal, Precision, Residency
 
 OVERHEAD_BYTES = int(1.5 * GiB)     # CUDA context + allocator fragmentation (seed 000: 1-2 GB)
+CONTEXT_BYTES = int(0.5 * GiB)      # this process's CUDA context: in OVERHEAD_BYTES, outside torch's allocator
+COMFY_DEFAULT_RESERVE = {"windows": 600 * 2 ** 20}    # ComfyUI's own reserve without --reserve-vram (in OVERHEAD_BYTES)
+COMFY_DEFAULT_RESERVE_ELSEWHERE = 400 * 2 ** 20
+WITHHELD_NOISE = 256 * 2 ** 20      # other programs' VRAM below this is noise the overhead covers
 EFFICIENCY = 0.45                   # achieved fraction of dense bf16 peak in eager mode (seed 001)
 # fp8 on the linear part, from whole-DiT steps on an H200 (bench/results/2026-11-30-h200-*, torch 2.11):
 FP8_GEMM_SPEEDUP = 1.15             # rowwise fp8 GEMM + fused activation quant: 1.06x (FLUX) to 1.24x (Wan)
@@ -30,6 +34,10 @@ PARTIAL_TE_MIN_BYTES = 1 * GiB      # the least of a too-big text encoder worth 
 # planned 10.4 GB (bench/results/2026-11-30-h200-f.md, bf16); the larger ratio is kept.
 VAE_DECODE_SECONDS_PER_GB = 0.04
 REFERENCE_TFLOPS = 989.0
+# quantizing the modulation linears too: half an fp8 step, so under 'balanced' it must buy ~17 % speed, more than the
+# 0.3 streaming counts (a plan that quantized them only to avoid streaming was slower and lossier)
+MODULATION_LOSS = 0.5
+MAX_SIDE = 16384                    # ComfyUI's MAX_RESOLUTION, the node's width/height limit
 LOSS_RANK = {Precision.FP32: 0, Precision.BF16: 0, Precision.FP16: 0, Precision.FP8_E4M3FN: 1,
              Precision.INT8: 1, Precision.NF4: 3}
 
@@ -53,6 +61,9 @@ class Workload:
         if not isinstance(self.references, int) or not 0 <= self.references <= 16:
             raise ConfigError("references", self.references, "an integer from 0 to 16",
                               "The number of reference images an edit model reads (0 for text-to-image).")
+        if self.width > MAX_SIDE or self.height > MAX_SIDE:
+            raise ConfigError("width/height", (self.width, self.height), f"at most {MAX_SIDE} px",
+                              "ComfyUI's largest image side (its MAX_RESOLUTION); use an upscaler beyond it.")
         if self.width % 8 or self.height % 8:
             raise ConfigError("width/height", (self.width, self.height), "multiples of 8",
                               "Latents are 1/8 of the image size; round to a multiple of 8 (e.g. 1024).")
@@ -295,8 +306,9 @@ def plan_streaming(spec: ModelSpec, precision: Precision, dit_budget: int, wl: W
 PACKED_WIRE_RATIO = 0.765    # packed bf16 bytes / bf16 bytes planned at the H200 budgets (split_plan_dry.py)
 
 
-def packed_note(s: Streaming, machine: Machine) -> str:
-    """What GroupPrefetch's packed_bf16 would change for a copy-bound bf16 stream (computed, not timed)."""
+def packed_note(s: Streaming, machine: Machine, host_need: int = 0, room: int | None = None) -> str:
+    """What GroupPrefetch's packed_bf16 would change for a copy-bound bf16 stream (computed, not timed); ``host_need``
+    and ``room``: the plan's host copies and the host RAM they may take, to say when the packed copy would not fit."""
     t = s.transfer_seconds_per_block * PACKED_WIRE_RATIO
     line = (f"packed_bf16 on GroupPrefetch: about {s.streamed_bytes_per_step * PACKED_WIRE_RATIO / GiB:.1f} GiB per "
             f"step instead of {s.streamed_bytes_per_step / GiB:.1f}, {t * 1e3:.1f} ms copy per block vs "
@@ -306,6 +318,10 @@ def packed_note(s: Streaming, machine: Machine) -> str:
     cap = machine.libraries.get("triton")
     if cap is not None and not cap.ok:
         line += f"; unavailable here: {cap.reason}"
+    packed = int(s.block_bytes * (s.n_blocks - s.resident_groups * s.blocks_per_group) * PACKED_WIRE_RATIO)
+    if room is not None and host_need + packed > room:
+        line += (f"; not with this RAM: the packed copy ({packed / GiB:.1f} GiB) beside the host copies "
+                 f"({host_need / GiB:.1f} GiB) needs more than the {room / GiB:.1f} GiB free for them")
     return line
 
 
@@ -354,17 +370,20 @@ def _dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c) -> list[_Dit
     return opts
 
 
-def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
+def _te_options(spec, wl, machine, budget) -> list[_TeOption]:
     gpu = machine.gpu
     main = gpu.device if gpu else "cpu"
     te_act = te_activation_bytes(spec)
     bw = machine.bandwidth.pinned_gbps * 1e9
     opts = []
     p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
-    # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning.
+    # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning; a torch that
+    # cannot store fp8 cannot load them either
+    fp8 = machine.libraries.get("fp8_storage")
+    precisions = ((p16, 0.0),) + (((Precision.FP8_E4M3FN, 0.2),) if fp8 is None or fp8.ok else ())
     room = budget - te_act                    # the encode phase has the card to itself (PhaseOffload)
-    prompts = 1 if spec.guidance_distilled else 2         # CFG models encode a negative prompt too
-    for p, loss in ((p16, 0.0), (Precision.FP8_E4M3FN, 0.2)):
+    prompts = dit_passes(spec, wl)            # a CFG run encodes its negative prompt too
+    for p, loss in precisions:
         wb = int(spec.te_params * bytes_per_param(p))
         if wb <= room:
             opts.append(_TeOption(p, main, Residency.RESIDENT, wb, wb + te_act, 0.0, loss))
@@ -385,8 +404,9 @@ def _te_options(spec, machine, budget, goal) -> list[_TeOption]:
                                   0.0, 0.0, f"text encoder lives on the second GPU {g.name}"))
             break
     cpu_seconds = 2 * spec.te_params * spec.text_tokens / (CPU_TFLOPS * 1e12)
-    opts.append(_TeOption(Precision.FP32, "cpu", Residency.CPU, int(spec.te_params * 4), 0, cpu_seconds, 0.0,
-                          f"text encoder runs on the CPU in fp32 (~{cpu_seconds:.0f} s per prompt)"))
+    opts.append(_TeOption(Precision.FP32, "cpu", Residency.CPU, int(spec.te_params * 4), 0, prompts * cpu_seconds,
+                          0.0, f"text encoder runs on the CPU in fp32 (~{cpu_seconds:.0f} s per prompt"
+                               + (", the negative prompt too)" if prompts > 1 else ")"), prompts=prompts))
     return opts
 
 
@@ -493,7 +513,7 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
     if tiling is not None:      # the overlap the tiles decode twice (chunks that carry their state: none)
         extra += wl.batch * vae_decode_seconds(spec, wl, machine) * (tiling_work(spec, wl, tiling) - 1.0)
     total = dit.step_seconds * wl.steps + extra
-    loss = LOSS_RANK[dit.precision] + te.loss + (0.25 if dit.quantize_modulation else 0.0)
+    loss = LOSS_RANK[dit.precision] + te.loss + (MODULATION_LOSS if dit.quantize_modulation else 0.0)
     return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss, moves + te_move)
 
 
@@ -504,19 +524,53 @@ def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
     if goal is Goal.QUALITY:
         return min(cands, key=lambda c: (c.loss, c.total_seconds, c.peak))
     if goal is Goal.SPEED:
-        return min(cands, key=lambda c: (round(c.total_seconds, 2), c.loss, c.peak))
+        # within 0.5 % of the fastest is a tie (below what the time model can tell apart): the least lossy of those
+        fastest = min(c.total_seconds for c in cands)
+        return min((c for c in cands if c.total_seconds <= fastest * 1.005), key=lambda c: (c.loss, c.total_seconds,
+                                                                                             c.peak))
     if goal is Goal.FIT:
         return min(cands, key=lambda c: (streams(c), c.peak, c.total_seconds))
-    # balanced: the least lossy plan among those within 25% (+1 s) of the fastest. fp8 wins where it makes
-    # a run markedly faster (fp8 tensor cores on image DiTs, or avoiding slow streaming); lossless wins
-    # where the difference is small (video DiTs are attention-bound; streaming that hides is free).
-    # balanced: a continuous trade: each lossy rank (fp8 = 1, nf4 = 3, fp8 text encoder = 0.2) is worth
-    # +33% time. Streaming every step also costs bus traffic and rests on the compute estimate, so it
+    # balanced: a continuous trade: each lossy rank (fp8 = 1, nf4 = 3, fp8 text encoder = 0.2, modulation linears
+    # quantized too = 0.5) is worth +33% time. Streaming every step also costs bus traffic and rests on the compute estimate, so it
     # counts 0.3. fp8 wins where it is markedly faster (image DiTs on fp8 tensor cores, or avoiding slow
     # streaming); lossless wins where the difference is small (attention-bound video DiTs).
     best = min(c.total_seconds for c in cands)
     return min(cands, key=lambda c: (c.loss + (0.3 if streams(c) else 0.0) + 3.0 * (c.total_seconds / best - 1.0),
                                      c.total_seconds, c.peak))
+
+
+def host_reserve(machine: Machine) -> int:
+    """Host RAM a plan leaves free for the OS and ComfyUI's own process (Python, torch, decoded frames, the file a
+    loader is reading): 8 % of the RAM, at least 1.5 GiB, at most 4 GiB."""
+    ram = machine.ram_total_bytes or machine.ram_available_bytes or 0
+    return int(min(4 * GiB, max(1.5 * GiB, 0.08 * ram)))
+
+
+def host_room(machine: Machine) -> int | None:
+    """Host RAM the plan's host copies may take (None when RAM is unknown)."""
+    ram = machine.ram_available_bytes
+    return None if ram is None else max(0, ram - host_reserve(machine))
+
+
+def vram_withheld(machine: Machine) -> tuple[int, list[str]]:
+    """VRAM a plan leaves alone beyond ``OVERHEAD_BYTES``, with a note for each part: what other programs held
+    when the card was probed (a display, a browser, another process), and what ComfyUI keeps free above its
+    default (``--reserve-vram``)."""
+    gpu, withheld, notes = machine.gpu, 0, []
+    # under DynamicVRAM ComfyUI allocates outside torch's allocator itself: that memory is not another program's
+    if gpu.others_bytes is not None and not machine.comfyui.get("dynamic_vram"):
+        others = gpu.others_bytes - CONTEXT_BYTES
+        if others >= WITHHELD_NOISE:
+            withheld += others
+            notes.append(f"{others / GiB:.2f} GiB of VRAM was in use by other programs when the card was probed "
+                         "(a display, a browser, another process): planned without it")
+    reserve = machine.comfyui.get("extra_reserved_vram_bytes")
+    default = COMFY_DEFAULT_RESERVE.get(machine.os, COMFY_DEFAULT_RESERVE_ELSEWHERE)
+    if reserve and reserve > default:
+        withheld += reserve - default
+        notes.append(f"ComfyUI keeps {reserve / GiB:.2f} GiB free for other programs (--reserve-vram): planned "
+                     f"without the {(reserve - default) / GiB:.2f} GiB above its default")
+    return withheld, notes
 
 
 def pin_rule(pinned_set_bytes: int, machine: Machine) -> tuple[bool, str]:
@@ -559,41 +613,72 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     if machine.gpu is None:
         return _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict)
 
-    vram = machine.gpu.total_bytes
-    budget = vram - OVERHEAD_BYTES
+    withheld, withheld_notes = vram_withheld(machine)
+    notes.extend(withheld_notes)
+    budget = machine.gpu.total_bytes - OVERHEAD_BYTES - withheld
     dits = _dit_options(spec, wl, machine, budget, act, notes)
-    tes = _te_options(spec, machine, budget, goal)
+    tes = _te_options(spec, wl, machine, budget)
     cands = []
     for dit, te, vr in itertools.product(dits, tes, (Residency.RESIDENT, Residency.PHASE)):
         c = _evaluate(spec, wl, machine, budget, act, dit, te, vr)
         if c is not None:
             cands.append(c)
     if not cands:
-        return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits)
-    ram = machine.ram_available_bytes
-    in_ram = [c for c in cands if ram is None or _host_need(spec, machine, c) <= ram]
+        return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld)
+    ram, room = machine.ram_available_bytes, host_room(machine)
+    kept = (f"{ram / GiB:.1f} GiB available, {(ram - room) / GiB:.1f} of them kept for the OS and ComfyUI's own "
+            "process" if ram is not None else "")
+    in_ram = [c for c in cands if room is None or _host_need(spec, machine, c) <= room]
     if in_ram and len(in_ram) < len(cands):
         # a plan whose host copies do not fit the RAM pages them from disk every step: slower than predicted
         # by far. Plans that fit RAM come first.
-        notes.append(f"host RAM ({ram / GiB:.1f} GiB available) rules out {len(cands) - len(in_ram)} of "
+        notes.append(f"host RAM ({kept}) rules out {len(cands) - len(in_ram)} of "
                      f"{len(cands)} plans that fit the GPU: their host copies would page")
     elif not in_ram:
         # none fits: every plan pages, and the more it keeps the more it pages; the goal picks among the plans
         # that keep the least (within 5 %)
         least = min(_host_need(spec, machine, c) for c in cands)
         in_ram = [c for c in cands if _host_need(spec, machine, c) <= 1.05 * least]
-        notes.append(f"host RAM ({ram / GiB:.1f} GiB available) fits no plan's host copies: planned among those "
+        notes.append(f"host RAM ({kept}) fits no plan's host copies: planned among those "
                      f"that keep the least ({least / GiB:.1f} GiB); the OS will page the rest")
-    best = _choose([_with_pinning(spec, wl, machine, c) for c in in_ram], goal)
-    return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict)
+    timed = [_with_pinning(spec, wl, machine, c) for c in in_ram]
+    best = _choose(timed, goal)
+    # the fastest plan keeping the modulation linears 16-bit, for the note that says why they are quantized
+    keeping = min((c.total_seconds for c in timed if not c.dit.quantize_modulation), default=None)
+    return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict, withheld,
+                     te_reason=_te_reason(best, cands, in_ram, goal), keeping_modulation_seconds=keeping)
+
+
+def _dit_moves(spec, c: _Candidate) -> bool:
+    """Whether the DiT keeps host copies: a single resident DiT loads once and keeps none; experts swap at every
+    generation, and PhaseOffload keeps (and pins) a host master of each, the one on the GPU included."""
+    return c.dit.residency is not Residency.RESIDENT or spec.experts > 1
 
 
 def _host_need(spec, machine, c: _Candidate) -> int:
-    """Host bytes a plan keeps: the DiT (every expert, the one on the GPU included: PhaseOffload keeps a host master
-    of each), the text encoder when it is not resident, the VAE."""
+    """Host bytes a plan keeps: the DiT when it moves (every expert), the text encoder when it is not resident,
+    the VAE."""
     vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
-    return (c.dit.weight_bytes * spec.experts + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0)
-            + vae_w)
+    return (c.dit.weight_bytes * spec.experts * _dit_moves(spec, c)
+            + (c.te.weight_bytes if c.te.residency is not Residency.RESIDENT else 0) + vae_w)
+
+
+def _te_reason(best: _Candidate, cands: list[_Candidate], in_ram: list[_Candidate], goal: Goal) -> str:
+    """Why the chosen plan's text encoder is fp8 and not 16-bit (empty when it is not fp8)."""
+    if best.te.precision is not Precision.FP8_E4M3FN:
+        return ""
+    if best.te.partial:
+        return "half the bytes over the bus and in host RAM"
+
+    def te16(c):
+        return c.te.device == best.te.device and c.te.precision in (Precision.BF16, Precision.FP16)
+    if not any(te16(c) for c in cands):
+        return "16-bit does not fit the encode phase"
+    if not any(te16(c) for c in in_ram):
+        return "the 16-bit copy does not fit host RAM beside the rest of the plan"
+    return {Goal.FIT: "the smaller peak (goal 'fit')",
+            Goal.SPEED: "half the bytes to load per encode: faster (goal 'speed')"}.get(
+        goal, "half the bytes to load per encode; the 16-bit encoder would take longer than the goal allows")
 
 
 def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
@@ -603,10 +688,7 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
     that hides when pinned may not hide any more). Decided before the goal chooses: a plan that is fastest only
     at the pinned bandwidth it will not get must not win."""
     vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
-    # the pinned set: a single resident DiT moves nothing; experts swap at every generation, and PhaseOffload keeps
-    # (and pins) a host master of each, the one on the GPU included
-    moves = c.dit.residency is not Residency.RESIDENT or spec.experts > 1
-    host = (c.dit.weight_bytes * spec.experts if moves else 0,
+    host = (c.dit.weight_bytes * spec.experts if _dit_moves(spec, c) else 0,
             c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
             vae_w if c.vae_residency is Residency.PHASE else 0)
     pin, pin_reason = pin_rule(sum(host), machine)
@@ -627,7 +709,8 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
                    pin_reason=pin_reason, host=host, streaming=streaming)
 
 
-def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict) -> Plan:
+def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict, withheld=0, te_reason="",
+              keeping_modulation_seconds=None) -> Plan:
     gpu = machine.gpu
     bf16 = gpu.bf16
     vae_w = int(spec.vae_params * (2 if bf16 else 4))
@@ -642,7 +725,13 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         dit_notes.append(f"census keeps {kept / 1e9:.2f} B params in 16-bit ({what}); the block linears are "
                          f"{c.dit.precision} (~{bytes_per_param(c.dit.precision):g} byte/param)")
         if c.dit.quantize_modulation:
-            dit_notes.append("modulation linears quantized too: keeping them 16-bit would not fit this card")
+            t = keeping_modulation_seconds
+            dit_notes.append("modulation linears quantized too: " + (
+                "no plan keeping them 16-bit fits this card and its host RAM" if t is None else
+                "the smallest footprint (goal 'fit'); QuantizeDiT's modulation = keep keeps them 16-bit in a plan "
+                "that takes more memory" if goal is Goal.FIT else
+                f"the fastest plan keeping them 16-bit takes {t - c.total_seconds:.2f} s more per generation "
+                f"(goal '{goal}'); QuantizeDiT's modulation = keep keeps them"))
         if c.dit.precision is Precision.FP8_E4M3FN:
             dit_notes.append("fp8 matmuls on tensor cores (ComfyUI's scaled-fp8 layer)" if fp8_matmuls(machine) else
                              "no fp8 matmuls here (GPU below sm_89, or no comfy-kitchen in ComfyUI): fp8 weights "
@@ -661,7 +750,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                              "fp8 weights (half, lossy) or GroupPrefetch's packed_bf16 (about 0.76x, bit-identical; "
                              "not yet timed on a GPU)")
             if c.dit.precision is Precision.BF16:
-                dit_notes.append(packed_note(s, machine))
+                dit_notes.append(packed_note(s, machine, _host_need(spec, machine, c), host_room(machine)))
     if spec.experts > 1:
         dit_notes.append(f"{spec.experts} experts share the GPU one at a time, each swapped in for its own steps: "
                          "connect the second to PhaseOffload's model_2 (one copy in, a pointer swap out), and a "
@@ -678,8 +767,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if c.te.residency is Residency.PHASE:
         te_notes.append("on the GPU only while encoding; offload is a pointer swap back to the host copy")
     if c.te.precision is Precision.FP8_E4M3FN:
-        why = "half the bytes over the bus and in host RAM" if c.te.partial else "bf16 does not fit the encode phase"
-        te_notes.append(f"fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): {why}")
+        te_notes.append(f"fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): {te_reason}")
     te_plan = ComponentPlan(Component.TEXT_ENCODER, c.te.precision, c.te.device, c.te.residency,
                             pin and host[Component.TEXT_ENCODER] > 0, c.te.weight_bytes,
                             c.te.gpu_bytes if c.te.device == gpu.device else (c.te.weight_bytes if c.te.device != "cpu" else 0),
@@ -688,7 +776,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if c.tiling is not None:
         t = c.tiling
         vae_notes.append(f"tiled decode (estimate; TiledVAEDecode measures the VAE and picks its own exact plan): "
-                         f"{t.tile_px}px tiles, {t.overlap_px}px overlap"
+                         + (f"{t.tile_px}px tiles, {t.overlap_px}px overlap" if t.tile_px < max(wl.width, wl.height)
+                            else "whole frames")
                          + (f", {t.temporal_frames}-frame chunks" + (" with the causal cache carried (exact)" if spec.vae_causal
                                                                      else " streamed, each layer keeping its context "
                                                                      "frames (exact)" if spec.vae_streamed else "")
@@ -698,10 +787,14 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
     vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,
                              pin and host[Component.VAE] > 0, vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))
-    host_need = _host_need(spec, machine, c)
-    if machine.ram_available_bytes is not None and host_need > machine.ram_available_bytes:
-        notes.append(f"host RAM: {machine.ram_available_bytes / GiB:.1f} GiB available but the host copies need "
-                     f"{host_need / GiB:.1f} GiB; the OS will page (slow) — close other programs or use smaller files")
+    host_need, room = _host_need(spec, machine, c), host_room(machine)
+    if room is not None and host_need > room:
+        notes.append(f"host RAM: {room / GiB:.1f} GiB free for host copies (of {machine.ram_available_bytes / GiB:.1f} "
+                     f"available) but they need {host_need / GiB:.1f} GiB; the OS will page (slow) — close other "
+                     "programs or use smaller files")
+    if room is not None and not _dit_moves(spec, c) and c.dit.weight_bytes > room:
+        notes.append(f"the diffusion model ({c.dit.weight_bytes / GiB:.1f} GiB) stays on the GPU, but loading it "
+                     f"reads it through host RAM ({room / GiB:.1f} GiB free for it): its first load pages from disk")
     if machine.bandwidth.source != "measured":
         notes.append(f"host->GPU bandwidth {machine.bandwidth.pinned_gbps:g} GB/s ({machine.bandwidth.source}"
                      + (f": {machine.bandwidth.reason}" if machine.bandwidth.reason else "") + ")")
@@ -709,14 +802,20 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                                        Goal.QUALITY: "least lossy plan that fits, whatever it costs in seconds",
                                        Goal.SPEED: "fastest predicted plan", Goal.FIT: "smallest peak, streaming last"}[goal])
     peak = c.peak + OVERHEAD_BYTES
-    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
-                components=(dit_plan, te_plan, vae_plan), activation_bytes=act,
+    # what the DiT's precision does to compute, against the same model in 16-bit (not in the extra seconds, which
+    # are the moves): nf4 and dequantized fp8 cost seconds, fp8 matmuls save some
+    p16 = Precision.BF16 if bf16 else Precision.FP16
+    precision_seconds = 0.0 if stored_precision(spec) is not None else \
+        wl.steps * (c.dit.step_seconds - compute_seconds_per_step(spec, wl, machine, p16, False))
+    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES - withheld,
+                vram_bytes=gpu.total_bytes, components=(dit_plan, te_plan, vae_plan), activation_bytes=act,
                 vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=OVERHEAD_BYTES,
                 predicted_peak_bytes=int(peak), predicted_extra_seconds=round(extra, 2),
-                fits=peak <= gpu.total_bytes, notes=tuple(notes),
+                fits=peak + withheld <= gpu.total_bytes, notes=tuple(notes),
                 workload={**workload, "predicted_step_seconds": round(c.dit.step_seconds, 3),
-                          "predicted_total_seconds": round(c.dit.step_seconds * wl.steps + extra, 1)},
-                machine=mdict, host_bytes=int(host_need), experts=spec.experts)
+                          "predicted_total_seconds": round(c.dit.step_seconds * wl.steps + extra, 1),
+                          "predicted_precision_seconds": round(precision_seconds, 2)},
+                machine=mdict, host_bytes=int(host_need), experts=spec.experts, withheld_bytes=withheld)
 
 
 def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
@@ -743,7 +842,8 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     if p is not Precision.FP32:
         notes.append(f"weights stored as {p} to fit host RAM, cast to fp32 per layer while computing")
     if avail is not None and not fits:
-        notes.append(f"host RAM {avail / GiB:.1f} GiB < {need / GiB:.1f} GiB needed even with {p} weights")
+        notes.append(f"host RAM {avail / GiB:.1f} GiB < {need / GiB:.1f} GiB needed even with {p} weights: close "
+                     "other programs, lower the resolution/frames or batch, or use a machine with more RAM or a GPU")
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, stored or p, "cpu", Residency.CPU, False, dit_b, 0),
              ComponentPlan(Component.TEXT_ENCODER, p, "cpu", Residency.CPU, False, te_b, 0),
              ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0))
@@ -756,7 +856,7 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
                 workload=workload, machine=mdict, host_bytes=int(need - extra_need), experts=spec.experts)
 
 
-def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> Plan:
+def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld=0) -> Plan:
     """Nothing fits: return the smallest-footprint plan, marked ``fits=False``, with what to change."""
     gpu = machine.gpu
     smallest = min(dits, key=lambda d: d.resident_bytes) if dits else None
@@ -771,34 +871,44 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits) -> 
     card = (f"{gpu.total_bytes / GiB:.1f}".rstrip("0").rstrip(".") + " GiB" if gpu.total_bytes >= 0.5 * GiB
             else f"{gpu.total_bytes / 2 ** 20:.0f} MiB")
     vae_p, vae_w = (Precision.BF16, int(spec.vae_params * 2)) if gpu.bf16 else (Precision.FP32, int(spec.vae_params * 4))
-    budget = gpu.total_bytes - OVERHEAD_BYTES
+    budget = gpu.total_bytes - OVERHEAD_BYTES - withheld
     # the phases of the smallest plan (the text encoder on the CPU, the VAE in its smallest tiles), each on its own
     sample = resident + act
     tiling, vae_peak = plan_vae_tiling(spec, wl, 0)        # available 0: the smallest tiles it plans
     decode = vae_w + vae_peak
-    short = []
+    short, fixes = [], []
     if budget <= 0:
         short.append(f"the card is below the {OVERHEAD_BYTES / GiB:.1f} GiB kept for the CUDA context and "
-                     "fragmentation")
+                     "fragmentation" + (" and what is withheld (see the notes above)" if withheld else ""))
     else:
         if sample > budget:
             short.append(f"sampling needs {sample / GiB:.1f} GiB ({p} weights on the GPU "
                          f"{resident / GiB:.1f} GiB{' with streaming' if residency is Residency.STREAMED else ''}, one "
                          f"step's activations {act / GiB:.1f} GiB)")
+            # the least the weights can take (two slots of the widest block, the rest outside the blocks): below the
+            # card, a smaller workload is what fits
+            sizes = dit_block_bytes(spec, p, qmod)
+            if dit_weight_bytes(spec, p, qmod) - sum(sizes) + 2 * max(sizes) < budget:
+                fixes.append("lower the resolution/frames or batch")
         if decode > budget:
             short.append(f"the VAE decode needs {decode / GiB:.1f} GiB (its weights {vae_w / GiB:.2f} GiB and its "
                          f"smallest tiles {vae_peak / GiB:.1f} GiB)")
+            # the smallest tiles barely shrink with the image: the VAE on the CPU is what fits
+            fixes.append("decode on the CPU (PhaseOffload's vae_device = cpu, TiledVAEDecode after it; slow)")
+    fixes.append("use a bigger card")
+    advice = ", or ".join(fixes)
     notes.append(f"does not fit {card} ({max(0, budget) / GiB:.1f} GiB usable) even with {p} weights"
                  f"{' and streaming' if residency is Residency.STREAMED else ''}: " + "; ".join(short or ["no plan fits"])
-                 + (". Use a bigger card." if budget <= 0 else
-                    ". Lower the resolution/frames or batch, or use a bigger card."))
+                 + ". " + advice[0].upper() + advice[1:] + ".")
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, residency, False, wb, resident,
                            streaming=streaming, quantize_modulation=qmod),
              ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
              ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w, tiling=tiling))
     peak = max(sample, decode) + OVERHEAD_BYTES
-    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES, vram_bytes=gpu.total_bytes,
-                components=comps, activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl),
-                overhead_bytes=OVERHEAD_BYTES, predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
+    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES - withheld,
+                vram_bytes=gpu.total_bytes, components=comps, activation_bytes=act,
+                vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=OVERHEAD_BYTES,
+                predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
                 notes=tuple(notes), workload=workload, machine=mdict,
-                host_bytes=int(wb * spec.experts + comps[1].weight_bytes + vae_w), experts=spec.experts)
+                host_bytes=int(wb * spec.experts + comps[1].weight_bytes + vae_w), experts=spec.experts,
+                withheld_bytes=withheld)

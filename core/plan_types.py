@@ -64,7 +64,7 @@ class ComponentPlan:
 class Plan:
     model: str
     goal: Goal
-    budget_bytes: int           # usable VRAM (after context / fragmentation reserve)
+    budget_bytes: int           # usable VRAM (after the context / fragmentation reserve and what is withheld)
     vram_bytes: int             # card total (0 when planning for the CPU)
     components: tuple[ComponentPlan, ...]
     activation_bytes: int
@@ -78,6 +78,7 @@ class Plan:
     machine: dict = field(default_factory=dict)
     host_bytes: int = 0         # host RAM the plan's host copies take (every expert's DiT, offloaded TE and VAE)
     experts: int = 1            # diffusion models sampled one after the other (Wan 2.2 A14B: 2)
+    withheld_bytes: int = 0     # VRAM left alone beyond the overhead: other programs' use, ComfyUI's --reserve-vram
 
     def component(self, name: str | Component) -> ComponentPlan:
         name = Component.parse(name, "component")

@@ -1,6 +1,7 @@
 """Machine capabilities, each with the reason when it is unknown or unusable.
 
-Every probe is a small cached function; nothing here runs at import time, and nothing
+Every probe is a small function, cached unless its answer changes while ComfyUI runs (free VRAM, available
+RAM); nothing here runs at import time, and nothing
 initialises CUDA unless ``probe()`` is called on a machine that has it.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 GiB = 1024 ** 3
 
@@ -53,6 +54,9 @@ class GPU:
     total_bytes: int
     free_bytes: int
     capability: tuple[int, int]
+    # VRAM held outside this process's torch allocator when probed (other programs, this process's CUDA context);
+    # None when not measured (a card given by size)
+    others_bytes: int | None = None
 
     @property
     def bf16(self) -> bool:
@@ -118,8 +122,8 @@ def detect_os() -> str:
     return system or "unknown"
 
 
-@functools.lru_cache(maxsize=1)
 def host_ram() -> tuple[int | None, int | None, str]:
+    """(total, available, source) now: read at every probe, since available RAM changes while ComfyUI runs."""
     try:
         import psutil
 
@@ -148,8 +152,8 @@ def cuda_usable() -> Capability:
     return Capability(True, f"{torch.cuda.device_count()} CUDA device(s)")
 
 
-@functools.lru_cache(maxsize=1)
 def gpus() -> tuple[GPU, ...]:
+    """The CUDA devices with their memory now (free memory changes while ComfyUI runs, so it is read at every probe)."""
     if not cuda_usable().ok:
         return ()
     import torch
@@ -159,9 +163,10 @@ def gpus() -> tuple[GPU, ...]:
         props = torch.cuda.get_device_properties(i)
         try:
             free, total = torch.cuda.mem_get_info(i)
+            others = max(0, int(total) - int(free) - int(torch.cuda.memory_reserved(i)))
         except RuntimeError:
-            free, total = props.total_memory, props.total_memory
-        out.append(GPU(i, props.name, int(total), int(free), (props.major, props.minor)))
+            free, total, others = props.total_memory, props.total_memory, None
+        out.append(GPU(i, props.name, int(total), int(free), (props.major, props.minor), others))
     return tuple(out)
 
 
@@ -301,6 +306,7 @@ def libraries() -> dict[str, Capability]:
 def _probe_cached(measure: bool) -> Machine:
     total, avail, ram_reason = host_ram()
     gs = gpus()
+    # why measured after the GPUs: the bandwidth test's buffers would count as this process's reserved memory
     bw = measure_h2d_bandwidth() if (measure and gs) else Bandwidth(
         DEFAULT_PINNED_GBPS, DEFAULT_PINNED_GBPS * PAGEABLE_FRACTION, "table",
         "no GPU to measure; assuming PCIe 4.0 x16" if not gs else "measurement skipped; assuming PCIe 4.0 x16")
@@ -312,8 +318,11 @@ def _probe_cached(measure: bool) -> Machine:
 
 
 def probe(measure_bandwidth: bool = True) -> Machine:
-    """This machine's facts (cached for the process)."""
-    return _probe_cached(measure_bandwidth)
+    """This machine's facts: bandwidth and libraries measured once per process, free VRAM and RAM read now."""
+    base = _probe_cached(measure_bandwidth)
+    total, avail, ram_reason = host_ram()
+    return replace(base, gpus=gpus() if base.gpus else (), ram_total_bytes=total, ram_available_bytes=avail,
+                   ram_reason=ram_reason)
 
 
 def synthetic_machine(vram_gb: float | None = None, ram_gb: float | None = None, h2d_gbps: float | None = None,

@@ -12,7 +12,9 @@ def gib(n: int | float) -> str:
 def format_plan(plan: Plan, machine: Machine | None = None) -> str:
     lines = []
     m = plan.machine
-    target = f"{m.get('gpu')} ({gib(plan.vram_bytes)})" if plan.vram_bytes else "CPU only"
+    name = str(m.get("gpu"))
+    target = ("CPU only" if not plan.vram_bytes else name if name.endswith("(assumed)")     # its size is in its name
+              else f"{name} ({gib(plan.vram_bytes)})")
     wl = plan.workload
     shape = f"{wl.get('width')}x{wl.get('height')}" + (f"x{wl['frames']}f" if wl.get("frames", 1) > 1 else "")
     if wl.get("references"):
@@ -30,13 +32,17 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
     if plan.vram_bytes:
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         lines.append(f"predicted peak {gib(plan.predicted_peak_bytes)} of {gib(plan.vram_bytes)} -> {verdict} "
-                     f"(incl. {gib(plan.overhead_bytes)} CUDA context + fragmentation)")
+                     f"(incl. {gib(plan.overhead_bytes)} CUDA context + fragmentation"
+                     + (f"; {gib(plan.withheld_bytes)} more left to other programs, see the notes"
+                        if plan.withheld_bytes else "") + ")")
         lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode untiled {gib(plan.vae_decode_peak_bytes)}"
                      + (f", tiled {gib(plan.vae.tiling.peak_bytes)}" if plan.vae.tiling else ""))
         if plan.fits:
-            lines.append(f"extra seconds per generation from these levers: {plan.predicted_extra_seconds:.2f} s "
-                         f"(predicted {wl.get('predicted_step_seconds')} s/step, ~{wl.get('predicted_total_seconds')} s "
-                         "total)")
+            prec = wl.get("predicted_precision_seconds") or 0.0
+            lines.append(f"extra seconds per generation from moving weights: {plan.predicted_extra_seconds:.2f} s"
+                         + (f"; {plan.diffusion_model.precision} compute {prec:+.2f} s against 16-bit" if prec else "")
+                         + f" (predicted {wl.get('predicted_step_seconds')} s/step, "
+                           f"~{wl.get('predicted_total_seconds')} s total)")
     else:
         lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode {gib(plan.vae_decode_peak_bytes)}; "
                      f"{'fits' if plan.fits else 'DOES NOT FIT'} in host RAM")

@@ -8,6 +8,7 @@ from comfy_api.latest import io, ui
 
 from ..bridge.phase import PhaseSettings, apply, report_text
 from ..core.residency.pinned import PinMode
+from ..core.types import Residency
 
 PLAN = io.Custom("LEVERS_PLAN")
 DEVICE_TIP = "auto = where ComfyUI would put it; cpu; or cuda:N for a specific GPU."
@@ -26,8 +27,11 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
         model_device = dm.device if model_device == "auto" and dm is not None else model_device
         text_encoder_device = te.device if text_encoder_device == "auto" and te is not None else text_encoder_device
         vae_device = va.device if vae_device == "auto" and va is not None else vae_device
-        if pin == "auto" and dm is not None:
-            pin = "on" if dm.pin else "off"
+        # the plan pins the host copies of the components that move (one decision for the set); a resident one
+        # has nothing to pin, so it says nothing about the others
+        moving = [c for c in (dm, te, va) if c is not None and c.residency in (Residency.PHASE, Residency.STREAMED)]
+        if pin == "auto" and moving:
+            pin = "on" if any(c.pin for c in moving) else "off"
         if text_encoder_precision == "auto" and te is not None and str(te.precision) in ("fp32", "bf16", "fp16"):
             text_encoder_precision = str(te.precision)
     return PhaseSettings(model_device=model_device, text_encoder_device=text_encoder_device, vae_device=vae_device,

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from comfyui_levers.core.errors import ConfigError
-from comfyui_levers.core.plan import (OVERHEAD_BYTES, Workload, activation_bytes, dit_weight_bytes, pin_rule, plan,
-                                      vae_decode_bytes)
+from comfyui_levers.core.plan import (OVERHEAD_BYTES, Workload, activation_bytes, dit_weight_bytes, host_reserve,
+                                     pin_rule, plan, vae_decode_bytes)
 from comfyui_levers.core.plan_types import Plan
 from comfyui_levers.core.presets import PRESETS, get_preset
 from comfyui_levers.core.probe import GiB, synthetic_machine
@@ -123,7 +123,9 @@ def test_flux_16gb_example_from_the_issue():
     dm, te, vae = fast.diffusion_model, fast.text_encoder, fast.vae
     p = fast
     assert dm.precision is Precision.FP8_E4M3FN
-    assert dm.weight_bytes / GiB == pytest.approx(11.1, abs=0.2)      # ~1 byte per parameter
+    # ~1 byte per block-linear parameter, the modulation linears 16-bit: quantized too (11.1 GiB) the model would stay
+    # resident, but its streamed copies hide behind compute, so that saves under 0.5 %: a tie, and the least lossy wins
+    assert dm.weight_bytes / GiB == pytest.approx(14.2, abs=0.2) and not dm.quantize_modulation
     assert any("census keeps" in n and "16-bit" in n for n in dm.notes)
     assert te.residency in (Residency.PHASE, Residency.CPU) or te.device != dm.device  # off the GPU while denoising
     assert vae.tiling is None or vae.tiling.peak_bytes < p.vae_decode_peak_bytes
@@ -354,8 +356,9 @@ def test_plans_whose_host_copies_exceed_the_ram_come_last():
     p = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=24))
     host = (p.component("diffusion_model").weight_bytes + p.component("text_encoder").weight_bytes
             + p.component("vae").weight_bytes)
-    assert p.fits and host <= 24 * GiB, host / GiB
-    assert any("host RAM (24.0 GiB available) rules out" in n for n in p.notes)
+    assert p.fits and host <= 24 * GiB - host_reserve(machine(12, ram=24)), host / GiB
+    assert any("host RAM (24.0 GiB available, 1.9 of them kept for the OS and ComfyUI's own process) rules out" in n
+               for n in p.notes)
     roomy = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=64))
     assert not any("rules out" in n for n in roomy.notes)
     # nothing fits the RAM: the plan keeps the least host copies (every plan pages, the bigger ones page more)
@@ -405,7 +408,8 @@ def test_a_partial_text_encoder_streams_its_rest_at_every_encode():
     for name, prompts in (("flux2-dev", 1), ("hidream-i1", 2)):
         spec = get_preset(name)
         room = budget - te_activation_bytes(spec)
-        (te,) = [o for o in _te_options(spec, m, budget, "balanced") if o.partial and str(o.precision) == "fp8_e4m3fn"]
+        (te,) = [o for o in _te_options(spec, Workload(1024, 1024), m, budget)
+                 if o.partial and str(o.precision) == "fp8_e4m3fn"]
         assert te.gpu_bytes == te_activation_bytes(spec) + PARTIAL_TE_MIN_BYTES
         want = (room + prompts * (te.weight_bytes - room)) / (m.bandwidth.pinned_gbps * 1e9)
         assert te.extra_seconds == pytest.approx(want)
@@ -446,7 +450,7 @@ def test_a_card_too_small_for_anything_gives_a_consistent_does_not_fit_plan():
     assert not p.fits and str(d.precision) != "nf4"
     assert d.residency is not Residency.STREAMED or d.streaming is not None
     text = format_plan(p)
-    assert "DOES NOT FIT" in text and "(0.30 GiB)" in text and "s/step" not in text
+    assert "DOES NOT FIT" in text and "on 0.3 GiB GPU (assumed);" in text and "s/step" not in text
     assert any("does not fit 307 MiB" in n for n in p.notes)
 
 
@@ -515,12 +519,12 @@ def test_two_experts_are_sampled_one_at_a_time_but_both_live_in_host_ram():
     assert b.diffusion_model.precision is Precision.FP8_E4M3FN and b.host_bytes <= 48 * GiB
     # a card that holds one expert resident: the experts still take turns (a phase each), each loaded once per
     # generation, with a host master of each (PhaseOffload keeps both, pinned when RAM allows); one resident
-    # expert moves nothing
+    # expert moves nothing and keeps no host copy (ComfyUI loads it once)
     big = machine(141, ram=256)
     a, b = plan(one, wl, big), plan(two, wl, big)
     assert a.diffusion_model.residency is Residency.RESIDENT and b.diffusion_model.residency is Residency.PHASE
     assert not a.diffusion_model.pin and b.diffusion_model.pin
-    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    assert b.host_bytes - a.host_bytes == 2 * b.diffusion_model.weight_bytes
     swaps = 2 * b.diffusion_model.weight_bytes / (big.bandwidth.pinned_gbps * 1e9)
     assert b.predicted_extra_seconds - a.predicted_extra_seconds == pytest.approx(swaps, abs=0.02)
     # nothing fits: the plan still says it is two experts, and what the host would hold
@@ -785,3 +789,188 @@ def test_a_plan_that_does_not_fit_predicts_a_peak_above_the_card_and_names_the_p
     assert tiny.predicted_peak_bytes > 0.5 * GiB
     # the smallest weights when nothing fits: the modulation linears quantized too
     assert tiny.diffusion_model.quantize_modulation and tiny.diffusion_model.precision is Precision.NF4
+
+
+def test_a_resident_diffusion_model_keeps_no_host_copy_so_quality_stays_lossless():
+    """Found in review: a DiT planned resident was counted as a host copy, so with 16 GiB of RAM the quality goal
+    planned Qwen-Image in nf4 on an 80 GiB card where bf16 fits. ComfyUI loads a resident model once; nothing of it
+    stays on the host. Its load still reads the file through RAM: the plan says so."""
+    p = plan(get_preset("qwen-image"), Workload(1328, 1328), machine(80, ram=16), goal="quality")
+    dm = p.diffusion_model
+    assert (dm.precision, dm.residency) == (Precision.BF16, Residency.RESIDENT)
+    assert p.host_bytes < dm.weight_bytes and not dm.pin
+    assert any("its first load pages from disk" in n for n in p.notes)
+    assert not any("first load" in n for n in plan(get_preset("qwen-image"), Workload(1328, 1328),
+                                                   machine(80, ram=128), goal="quality").notes)
+
+
+def test_host_copies_leave_room_for_the_os_and_comfyuis_own_process():
+    """Found in review: HunyuanVideo at 832x480x81 on 12 GiB with 32 GiB of RAM planned 31.94 GiB of host copies
+    as fitting. A plan keeps 8 % of the RAM (1.5 to 4 GiB) free."""
+    m = machine(12, ram=32)
+    assert host_reserve(m) == pytest.approx(0.08 * 32 * GiB, rel=1e-6)
+    assert host_reserve(machine(12, ram=8)) == int(1.5 * GiB) and host_reserve(machine(12, ram=128)) == 4 * GiB
+    p = plan(get_preset("hunyuanvideo"), Workload(832, 480, 81), m)
+    assert p.fits and p.host_bytes <= 32 * GiB - host_reserve(m), p.host_bytes / GiB
+
+
+def test_modulation_is_quantized_only_for_what_the_goal_values_and_the_note_says_why():
+    """Found in review: HiDream-I1 on 20 GiB (balanced) planned fp8 with its modulation linears quantized, noting that
+    keeping them 16-bit would not fit, while an fp8 plan keeping them fit (17 GiB, streamed) and was faster: the
+    streaming penalty (0.3) outweighed the modulation's (0.25). Quantizing them now counts half an fp8 step, and
+    the note gives the real reason: nothing else fits, the seconds it saves, or the fit goal's footprint."""
+    wl = Workload(1024, 1024)
+    p = plan(get_preset("hidream-i1"), wl, machine(20))
+    assert p.diffusion_model.precision is Precision.FP8_E4M3FN and not p.diffusion_model.quantize_modulation
+    for name, vram in (("hidream-i1", 20), ("flux1-dev", 16), ("qwen-image", 24), ("flux1-dev", 12)):
+        for goal in ("balanced", "speed", "quality", "fit"):
+            p = plan(get_preset(name), wl, machine(vram), goal)
+            dm = p.diffusion_model
+            if goal == "quality":
+                assert not dm.quantize_modulation, (name, vram)
+            if dm.quantize_modulation:
+                (note,) = [n for n in dm.notes if n.startswith("modulation linears quantized too")]
+                if goal == "fit":
+                    assert "goal 'fit'" in note and "modulation = keep" in note, note
+                else:
+                    saved = float(note.split("takes ")[1].split(" s more")[0])
+                    assert saved > 0, note
+    # where nothing keeping them fits the card, the note says so
+    tight = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28, batch=4), machine(6))
+    if tight.fits and tight.diffusion_model.quantize_modulation:
+        assert any("no plan keeping them 16-bit fits" in n for n in tight.diffusion_model.notes)
+
+
+def test_the_fp8_text_encoder_note_gives_the_real_reason():
+    """Found in review: FLUX on 12 GiB with 16 GiB of RAM noted 'bf16 does not fit the encode phase' for its fp8
+    T5, though the 9.1 GiB bf16 T5 fits the card: the host RAM ruled the bf16 copy out."""
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(12, ram=16))
+    te = p.text_encoder
+    assert te.precision is Precision.FP8_E4M3FN
+    (note,) = [n for n in te.notes if n.startswith("fp8 text encoder")]
+    assert "does not fit host RAM" in note and "encode phase" not in note, note
+    small = plan(get_preset("flux2-dev"), Workload(1024, 1024), machine(16))      # a 24 B encoder: only partial
+    (note,) = [n for n in small.text_encoder.notes if n.startswith("fp8 text encoder")]
+    assert "over the bus" in note
+
+
+def test_no_fp8_text_encoder_where_torch_cannot_store_fp8():
+    """Found in review: with fp8 storage missing the DiT skipped fp8 (with a note) but the text encoder was still
+    planned in fp8."""
+    import dataclasses
+
+    from comfyui_levers.core.probe import Capability
+
+    m = machine(12, ram=16)
+    m = dataclasses.replace(m, libraries={**m.libraries, "fp8_storage": Capability(False, "torch too old")})
+    for goal in ("balanced", "fit", "speed"):
+        p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m, goal)
+        assert all(c.precision is not Precision.FP8_E4M3FN for c in p.components), goal
+
+
+def test_what_other_programs_hold_and_comfyuis_reserve_are_left_alone():
+    """Found in review: the budget was the card minus 1.5 GiB whatever a display held or ComfyUI's --reserve-vram
+    kept free. VRAM other programs held at the probe (beyond this process's context) and ComfyUI's reserve above its
+    default are withheld, each with a note; under DynamicVRAM ComfyUI's own allocations look like another
+    program's, so they are not counted."""
+    import dataclasses
+
+    from comfyui_levers.core.plan import CONTEXT_BYTES
+
+    base = machine(16)
+    plain = plan(get_preset("flux1-dev"), Workload(1024, 1024), base)
+    gpu = dataclasses.replace(base.gpu, others_bytes=CONTEXT_BYTES + 2 * GiB)
+    busy = dataclasses.replace(base, gpus=(gpu,))
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), busy)
+    assert p.withheld_bytes == 2 * GiB and p.budget_bytes == plain.budget_bytes - 2 * GiB
+    assert p.fits and p.predicted_peak_bytes + p.withheld_bytes <= 16 * GiB
+    assert any("in use by other programs" in n for n in p.notes)
+    reserved = dataclasses.replace(base, comfyui={"extra_reserved_vram_bytes": 4 * GiB})
+    r = plan(get_preset("flux1-dev"), Workload(1024, 1024), reserved)
+    assert r.withheld_bytes == 4 * GiB - 400 * 2 ** 20 and any("--reserve-vram" in n for n in r.notes)
+    dynamic = dataclasses.replace(busy, comfyui={"dynamic_vram": True})
+    assert plan(get_preset("flux1-dev"), Workload(1024, 1024), dynamic).withheld_bytes == 0
+    quiet = dataclasses.replace(base, gpus=(dataclasses.replace(base.gpu, others_bytes=CONTEXT_BYTES),))
+    assert plan(get_preset("flux1-dev"), Workload(1024, 1024), quiet).withheld_bytes == 0
+
+
+def test_probe_reads_free_memory_and_ram_at_every_call(monkeypatch):
+    """Inside a long-running ComfyUI the available RAM (and free VRAM) were those of the first probe."""
+    from comfyui_levers.core import probe as probe_mod
+
+    calls = []
+
+    def host_ram():                 # each reading has 10 GiB less available than the one before
+        calls.append(1)
+        return 64 * GiB, (50 - 10 * len(calls)) * GiB, "psutil"
+    monkeypatch.setattr(probe_mod, "host_ram", host_ram)
+    probe_mod._probe_cached.cache_clear()
+    try:
+        first = probe_mod.probe(measure_bandwidth=False)
+        second = probe_mod.probe(measure_bandwidth=False)
+    finally:
+        probe_mod._probe_cached.cache_clear()
+    assert second.ram_available_bytes == first.ram_available_bytes - 10 * GiB
+
+
+def test_a_vae_whose_weights_exceed_the_card_is_told_to_decode_on_the_cpu():
+    """Found in review: HunyuanVideo 1.5's fp32 VAE (4.7 GiB) on a 6 GiB T4 was told to lower the resolution, which
+    cannot help: its weights alone exceed the usable 4.5 GiB."""
+    m = machine(6, ram=16, capability=(7, 5))
+    p = plan(get_preset("hunyuanvideo-1.5"), Workload(832, 480, 81, cfg=False), m)
+    (note,) = [n for n in p.notes if n.startswith("does not fit")]
+    assert "Decode on the CPU (PhaseOffload's vae_device = cpu" in note and "Lower the resolution" not in note, note
+    big = plan(get_preset("wan2.1-14b"), Workload(1280, 720, 81), machine(6))
+    (note,) = [n for n in big.notes if n.startswith("does not fit")]
+    assert "sampling needs" in note and "lower the resolution" in note.lower(), note
+
+
+def test_the_packed_bf16_hint_says_when_the_ram_cannot_hold_the_packed_copy():
+    """Found in review: Qwen-Image at 1328² on 16 GiB with 64 GiB of RAM hinted packed_bf16 (+0.77x the streamed
+    bytes in host RAM) beside 54 GiB of host copies: about 74 GiB in all."""
+    p = plan(get_preset("qwen-image"), Workload(1328, 1328), machine(16, ram=64))
+    hints = [n for n in p.diffusion_model.notes if n.startswith("packed_bf16")]
+    assert hints and "not with this RAM" in hints[0], p.diffusion_model.notes
+    roomy = plan(get_preset("qwen-image"), Workload(1328, 1328), machine(16, ram=256, bw=12))     # copy-bound too
+    hints = [n for n in roomy.diffusion_model.notes if n.startswith("packed_bf16")]
+    assert hints and "not with this RAM" not in hints[0]
+
+
+def test_the_report_gives_what_the_precision_costs_in_compute():
+    """Found in review: the fit goal's nf4 plan showed 0.47 extra seconds against bf16's 1.25 while it ran ~5 s
+    longer: the extra seconds are the moves, and the precision's compute cost was nowhere."""
+    from comfyui_levers.core.report import format_plan
+
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(24), goal="fit")
+    assert p.diffusion_model.precision is Precision.NF4
+    assert p.workload["predicted_precision_seconds"] > 1.0
+    assert "nf4 compute +" in format_plan(p)
+    q = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(24), goal="quality")
+    assert q.workload["predicted_precision_seconds"] == 0 and "compute" not in format_plan(q).split("\n")[8]
+
+
+def test_a_text_encoder_on_the_cpu_is_timed_for_each_prompt():
+    """Found in review: the CPU encoder was charged once although a CFG run encodes its negative prompt too, and the
+    partial load ignored cfg=False."""
+    from comfyui_levers.core.plan import _te_options
+
+    spec, m = get_preset("hunyuanvideo-1.5"), machine(6)
+    budget = m.gpu.total_bytes - OVERHEAD_BYTES
+
+    def cpu(wl):
+        (o,) = [o for o in _te_options(spec, wl, m, budget) if o.device == "cpu"]
+        return o
+
+    two, one = cpu(Workload(848, 480, 121)), cpu(Workload(848, 480, 121, cfg=False))
+    assert two.extra_seconds == pytest.approx(2 * one.extra_seconds) and two.prompts == 2 and one.prompts == 1
+
+
+def test_sides_beyond_comfyuis_largest_image_are_an_input_error():
+    with pytest.raises(ConfigError, match="at most 16384"):
+        plan(get_preset("flux1-dev"), Workload(100000, 1024), machine(24))
+
+
+def test_a_time_only_split_says_whole_frames():
+    p = plan(get_preset("wan2.1-14b"), Workload(832, 480, 81), machine(12))
+    (note,) = [n for n in p.vae.notes if n.startswith("tiled decode")]
+    assert p.vae.tiling.tile_px >= 832 and "whole frames" in note and "0px overlap" not in note

@@ -127,6 +127,7 @@ def test_a_second_expert_is_planned_one_at_a_time_with_both_in_host_ram():
     from comfyui_levers.bridge.recommend import measure
     from comfyui_levers.core.plan import Workload, plan
     from comfyui_levers.core.probe import synthetic_machine
+    from comfyui_levers.core.types import Residency
 
     high, low = _patcher(_flux()), _patcher(_flux())
     one, _ = measure(high)
@@ -136,7 +137,9 @@ def test_a_second_expert_is_planned_one_at_a_time_with_both_in_host_ram():
     assert any("second expert" in n for n in notes)
     m = synthetic_machine(vram_gb=24, ram_gb=256, h2d_gbps=25)
     a, b = plan(one, Workload(1024, 1024), m), plan(two, Workload(1024, 1024), m)
-    assert b.host_bytes - a.host_bytes == b.diffusion_model.weight_bytes
+    # one resident model keeps no host copy; two experts keep a host master each
+    assert a.diffusion_model.residency is Residency.RESIDENT
+    assert b.host_bytes - a.host_bytes == 2 * b.diffusion_model.weight_bytes
     assert not any("larger" in n for n in notes), "experts of the same size: neither is the larger"
     # the larger expert sets the plan (here: the second, in fp32): every measured number is its own
     larger = _patcher(_Flux())

@@ -555,3 +555,23 @@ def test_a_component_bigger_than_the_card_is_partially_loaded_by_comfyui(comfy_e
         assert m.loaded_size() == 0
     unloads = [r for r in _group(m).records if r["kind"] == "unload"]
     assert len(unloads) >= 2 and all(r["d2h"] == 0 and r["swapped"] > 0 for r in unloads)
+
+
+def test_the_plans_pinning_reaches_the_components_that_move(comfy_env):
+    """Found in review: SDXL at 512² on 8 GiB plans its UNet resident (nothing to pin) and the text encoder and VAE
+    as phases, pinned; the node took 'pin' from the diffusion model alone and ran them pageable."""
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+    from comfyui_levers.core.types import Residency
+    from comfyui_levers.nodes.phase_offload import settings_from
+
+    p = plan(get_preset("sdxl"), Workload(512, 512), synthetic_machine(vram_gb=8, ram_gb=16, h2d_gbps=25))
+    assert p.diffusion_model.residency is Residency.RESIDENT and not p.diffusion_model.pin
+    assert p.text_encoder.residency is Residency.PHASE and p.text_encoder.pin
+    assert settings_from(p, "auto", "auto", "auto", "auto", "auto").pin == "on"
+    assert settings_from(p, "auto", "auto", "auto", "off", "auto").pin == "off"       # the widget wins
+    # a plan that pins nothing that moves (too little RAM) turns pinning off
+    tight = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=12, ram_gb=24, h2d_gbps=25))
+    assert not any(c.pin for c in tight.components)
+    assert settings_from(tight, "auto", "auto", "auto", "auto", "auto").pin == "off"

@@ -1,4 +1,5 @@
 """LeversRecommend inside a real ComfyUI: measures the connected tiny models and reports."""
+import dataclasses
 import json
 
 import pytest
@@ -88,3 +89,20 @@ def test_an_already_quantized_model_is_planned_as_it_is_stored(comfy_env, tiny_w
     assert dmp.weight_bytes == real, (dmp.weight_bytes, real)
     assert dmp.precision.value == ("fp8_e4m3fn" if kind == "fp8" else spec.dit_stored_precision)
     assert "already quantized" in report, report
+
+
+def test_comfyuis_reserve_vram_is_left_alone(comfy_env, monkeypatch):
+    """``--reserve-vram 4``: ComfyUI keeps 4 GiB free for other programs; the plan used to spend it."""
+    from comfyui_levers.bridge.comfy_mode import comfy_mode
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+
+    mm = comfy_env.mm
+    assert comfy_mode()["extra_reserved_vram_bytes"] == mm.extra_reserved_memory()
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 4 * 1024 ** 3)
+    facts = comfy_mode()
+    assert facts["extra_reserved_vram_bytes"] == 4 * 1024 ** 3
+    m = dataclasses.replace(synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25), comfyui=facts)
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+    assert p.withheld_bytes == 4 * 1024 ** 3 - 400 * 1024 ** 2 and any("--reserve-vram" in n for n in p.notes)
