@@ -327,9 +327,11 @@ def _native_qweight(m) -> QuantizedWeight | None:
                            {"weight": qdata, "weight_scale": params.scale.float().reshape(())})
 
 
-def resolve_save_path(save_path: str) -> str:
-    """Relative names go to ComfyUI's first diffusion_models folder, so UNETLoader lists the file; their
-    subfolders are created there, as ComfyUI's save nodes create theirs. Checked before any work is done."""
+def resolve_save_path(save_path: str, create: bool = True) -> str:
+    """Relative names go to ComfyUI's diffusion_models folder (``models/diffusion_models`` where it exists, else the
+    first folder registered for it: ``models/unet`` on older installs), so UNETLoader lists the file; their
+    subfolders are created there, as ComfyUI's save nodes create theirs. Checked before any work is done, and with
+    ``create=False`` at prompt validation, before anything runs."""
     import os
 
     path = save_path.strip()
@@ -340,20 +342,40 @@ def resolve_save_path(save_path: str) -> str:
     if not path.endswith(".safetensors"):
         path += ".safetensors"
     if os.path.isabs(path):
-        qckpt.check_output_path(path, force=False)
-        return path
-    import folder_paths
-    folders = folder_paths.get_folder_paths("diffusion_models")
-    existing = [f for f in folders if os.path.isdir(f)]
-    base = existing[0] if existing else folders[0]
-    full = os.path.abspath(os.path.join(base, path))
-    if os.path.commonpath([full, os.path.abspath(base)]) != os.path.abspath(base):
-        raise ConfigError("save_path", save_path, f"a name inside {base}",
-                          "A relative save_path is placed under ComfyUI's diffusion_models folder and may not leave "
-                          "it ('..'); give an absolute path to write elsewhere.")
-    os.makedirs(os.path.dirname(full), exist_ok=True)   # a fresh --base-directory may not have models/unet yet
-    qckpt.check_output_path(full, force=False)
+        full = path
+    else:
+        import folder_paths
+        folders = folder_paths.get_folder_paths("diffusion_models")
+        existing = [f for f in folders if os.path.isdir(f)]
+        named = [f for f in existing if os.path.basename(os.path.normpath(f)) == "diffusion_models"]
+        base = (named or existing or folders)[0]
+        full = os.path.abspath(os.path.join(base, path))
+        if os.path.commonpath([full, os.path.abspath(base)]) != os.path.abspath(base):
+            raise ConfigError("save_path", save_path, f"a name inside {base}",
+                              "A relative save_path is placed under ComfyUI's diffusion_models folder and may not "
+                              "leave it ('..'); give an absolute path to write elsewhere.")
+        if create:
+            os.makedirs(os.path.dirname(full), exist_ok=True)   # a fresh --base-directory may not have it yet
+        elif not os.path.isdir(os.path.dirname(full)):
+            return full                                          # created when the node runs
+    try:
+        qckpt.check_output_path(full, force=False)
+    except FileExistsError:
+        raise FileExistsError(f"save_path: {full} exists; QuantizeDiT never overwrites a file: give a new "
+                              "save_path") from None
     return full
+
+
+def save_path_problem(save_path) -> str | None:
+    """Why ``save_path`` cannot be written (None when it can, or when it is empty or linked), for ComfyUI's
+    validation: a bad path is refused before the loader and the quantization run."""
+    if not isinstance(save_path, str) or not save_path.strip():
+        return None
+    try:
+        resolve_save_path(save_path, create=False)
+    except (ConfigError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def plan_for_another_family(plan, model) -> str:
@@ -608,10 +630,12 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
         why = ("the settings keep every layer (lower keep_first_blocks / keep_last_blocks, or narrow extra_skip)"
                if config.keep_first_blocks or config.keep_last_blocks or config.extra_skip else
                f"the census found no layer {config.format} may take (below)")
+        if path is not None:
+            # a file was asked for: a success that saved nothing would read as done (headless: exit 0)
+            raise ConfigError("save_path", save_path, "settings that quantize at least one layer",
+                              f"Nothing to save: {why}; or clear save_path to pass the model through.")
         text = "\n".join([f"QuantizeDiT: nothing quantized, the model passes through unchanged: {why}",
                            *(f"  note: {n}" for n in notes), kept.format_text()])
-        if path is not None:
-            text += "\nnot saved: nothing was quantized (the file would be the unchanged model)"
         return model, text
     new, report = quantize_patcher(model, config)
     report.notes[:0] = notes

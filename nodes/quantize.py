@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..bridge.quant import quantize_node
+from ..bridge.quant import quantize_node, save_path_problem
 
 PLAN = io.Custom("LEVERS_PLAN")
 
@@ -44,7 +44,7 @@ class LeversQuantizeDiT(io.ComfyNode):
                 PLAN.Input("plan", optional=True, tooltip="A Levers plan from Recommend: decides format and modulation on "
                                                           "auto. A plan made for another model family gets a note."),
                 io.String.Input("save_path", default="", optional=True,
-                                tooltip="Optional: also save a .safetensors (name = into models/diffusion_models). fp8 "
+                                tooltip="Optional: also save a .safetensors (name = into models/diffusion_models; checked before the graph runs). fp8 "
                                         "per_tensor is ComfyUI's own layout (stock UNETLoader loads it from ComfyUI 0.3.7x on; "
                                         "Load Quantized DiT (Levers) reads every layout). Never overwrites."),
                 io.Boolean.Input("quality_check", default=True, optional=True,
@@ -60,6 +60,11 @@ class LeversQuantizeDiT(io.ComfyNode):
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
         )
+
+    @classmethod
+    def validate_inputs(cls, save_path="") -> bool | str:
+        # only save_path: ComfyUI then still checks every other input's range itself
+        return save_path_problem(save_path) or True
 
     @classmethod
     def execute(cls, model, format="auto", granularity="auto", keep_first_blocks=0, keep_last_blocks=0,

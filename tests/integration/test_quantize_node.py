@@ -158,8 +158,16 @@ def test_saved_fp8_checkpoint_loads_with_stock_unetloader(node, tiny_wan, base, 
     lat = tiny_wan.sample(loaded, seed=1)["samples"]
     assert psnr(ref, lat) >= 35.0
     assert psnr(tiny_wan.sample(qmodel, seed=1)["samples"], lat) >= 45.0  # same weights, ComfyUI's own ops
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="never overwrites a file: give a new save_path"):
         run(node, model, format="fp8_e4m3fn", granularity="per_tensor", save_path=path)
+    # ComfyUI's validation asks the node before anything runs (the loader neither)
+    from comfyui_levers.nodes.quantize import LeversQuantizeDiT
+
+    assert "give a new save_path" in LeversQuantizeDiT.validate_inputs(save_path=path)
+    assert LeversQuantizeDiT.validate_inputs(save_path="") is True
+    assert LeversQuantizeDiT.validate_inputs(save_path=None) is True         # linked: known only when it runs
+    assert LeversQuantizeDiT.validate_inputs(save_path="levers_new_subfolder/m") is True     # created when it runs
+    assert not os.path.exists(os.path.join(os.path.dirname(path), "levers_new_subfolder"))
 
 
 def test_already_quantized_passes_through(node, tiny_wan, base):
@@ -175,18 +183,23 @@ def test_already_quantized_passes_through(node, tiny_wan, base):
 def test_settings_that_quantize_nothing_pass_the_input_through_and_save_nothing(node, tiny_wan, base, comfy_env):
     """Found in review: keep_first_blocks over every block (or an extra_skip matching every layer) returned a
     full-precision copy, the quality check said 'inf dB ... meets the bar', and a save_path wrote that copy labelled
-    as a Levers quantized file."""
+    as a Levers quantized file. The input passes through; with a save_path the node fails (a file was asked for,
+    and a headless run that saved nothing had ended as a success)."""
+    from comfyui_levers.core.errors import ConfigError
+
     model, ref = base
     path = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_nothing.safetensors")
     if os.path.exists(path):
         os.unlink(path)
     for kw in (dict(keep_first_blocks=10), dict(extra_skip="blocks")):
-        out, report = run(node, model, format="int8", save_path=path, **kw)
+        out, report = run(node, model, format="int8", **kw)
         assert out is model, report
         assert report.startswith("QuantizeDiT: nothing quantized, the model passes through unchanged: the settings "
                                  "keep every layer"), report
-        assert "not saved: nothing was quantized" in report and not os.path.exists(path)
         assert "quality check" not in report
+        with pytest.raises(ConfigError, match="Nothing to save: the settings keep every layer"):
+            run(node, model, format="int8", save_path=path, **kw)
+        assert not os.path.exists(path)
     _, report = run(node, model, format="int8", extra_skip="ATTN, self_attn", quality_check=False)
     assert "extra_skip 'ATTN' matched no layer" in report and "'self_attn' matched" not in report, report
 
@@ -376,7 +389,9 @@ def test_save_path_is_checked_before_any_work_and_subfolders_are_made(node, tiny
     assert calls == [] and not list(tmp_path.iterdir())
     import folder_paths
 
-    base = next(f for f in folder_paths.get_folder_paths("diffusion_models") if os.path.isdir(f))
+    # the folder named diffusion_models where it exists (a stock checkout has models/unet too, registered first)
+    folders = [f for f in folder_paths.get_folder_paths("diffusion_models") if os.path.isdir(f)]
+    base = next((f for f in folders if os.path.basename(os.path.normpath(f)) == "diffusion_models"), folders[0])
     sub = os.path.join(base, "levers_test_sub")
     shutil.rmtree(sub, ignore_errors=True)
     try:

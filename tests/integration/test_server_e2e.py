@@ -541,3 +541,17 @@ def test_two_experts_through_phase_offload_in_a_real_server(run, object_info):
     for i in range(2):
         got = latent_of(run(_two_experts_graph(object_info, phase=True, nonce=310 + 2 * i, prefix=f"experts-{i}")))
         assert torch.equal(got, ref)
+
+
+def test_a_bad_save_path_is_refused_before_anything_runs(server, object_info):
+    """Found in review: a save_path leaving the models folder, in a missing folder or naming a file that exists failed
+    only when QuantizeDiT ran, after the loader (24 GB for FLUX). ComfyUI's own validation now refuses it: /prompt
+    answers 400 naming the node and the fix, and nothing is queued."""
+    _require(object_info, "LeversQuantizeDiT")
+    for bad, says in (("../../escape", "may not leave"), ("/nonexistent/dir/x", "does not exist")):
+        api = wan_graph(object_info, model_chain=[("LeversQuantizeDiT", {"save_path": bad})], prefix="bad_save")
+        status, answer = server.post("/prompt", {"prompt": api, "client_id": "levers-e2e-save-path"})
+        assert status == 400, answer
+        (node_id,) = [k for k, v in api.items() if v["class_type"] == "LeversQuantizeDiT"]
+        (err,) = answer["node_errors"][node_id]["errors"]
+        assert err["type"] == "custom_validation_failed" and says in err["details"], err
