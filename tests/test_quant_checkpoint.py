@@ -274,7 +274,7 @@ def test_bad_files_and_settings_are_clear_errors_before_anything_is_written(src,
     # OUT is a folder (IsADirectoryError after all the work, even with --force)
     (tmp_path / "folder").mkdir()
     with pytest.raises(ValueError, match="is a folder"):
-        ckpt.quantize_file(src, str(tmp_path / "folder"), QuantConfig("fp8_e4m3fn"), force=True, measure=False)
+        ckpt.quantize_file(src[0], str(tmp_path / "folder"), QuantConfig("fp8_e4m3fn"), force=True, measure=False)
     # nothing the census would quantize (exit 0 and a copy of the input before)
     plain = tmp_path / "plain.safetensors"
     save_file({"encoder.conv.weight": torch.randn(8, 8, 3, 3), "encoder.norm.weight": torch.ones(8)}, str(plain))
@@ -330,3 +330,48 @@ def test_cli_quantize_modulation_writes_the_modulation_linears_too(tmp_path, cap
     for layer in mods:
         assert sqnr(sd[f"{layer}.weight"].float(), qmod_q[layer].dequantize(torch.float32)) > 25
     assert os.path.getsize(qmod_out) < os.path.getsize(plain_out)
+
+
+def test_out_paths_that_cannot_be_a_file_are_refused_before_any_work(src, tmp_path, capsys, monkeypatch):
+    """Found in review: an empty OUT ran the whole pass and then failed; 'nodir/' wrote a file named 'nodir'; OUT under
+    a path that is a file said its folder does not exist; IN = OUT with --force advised --force; an unreadable IN was
+    reported as missing (safetensors turns EACCES into FileNotFoundError)."""
+    path, _ = src
+    work = []
+    monkeypatch.setattr(ckpt, "quantize_file", lambda *a, **k: work.append(1))
+    cases = [("", "expected a file path"), (str(tmp_path / "nodir") + os.sep, "expected a file path"),
+             (os.path.join(path, "x.safetensors"), "is a file, not a folder"),
+             (path, "a path different from IN")]
+    for out, says in cases:
+        assert cli_main(["quantize", path, out, "--format", "fp8_e4m3fn", "--force"]) == 2, out
+        assert says in capsys.readouterr().err, out
+    assert work == [] and not (tmp_path / "nodir").exists()
+    real_open = open
+
+    def denied(name, *a, **k):
+        if os.path.abspath(str(name)) == os.path.abspath(path):
+            raise PermissionError(13, "Permission denied", name)
+        return real_open(name, *a, **k)
+    monkeypatch.setattr("builtins.open", denied)
+    assert cli_main(["quantize", path, str(tmp_path / "o.safetensors"), "--format", "fp8_e4m3fn"]) == 2
+    assert "Permission denied" in capsys.readouterr().err and work == []
+
+
+def test_quantize_progress_without_tqdm_is_one_line_per_update_when_logged(monkeypatch, capsys):
+    """Without tqdm the progress was '\\r'-only, so a piped or logged stderr got one long line."""
+    import builtins
+
+    from comfyui_levers.core.quant import cli as qcli
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *a, **k):
+        if name == "tqdm":
+            raise ImportError("no tqdm")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    update = qcli._progress_bar()
+    for done in range(1, 41):
+        update(done, 40, f"t{done}")
+    err = capsys.readouterr().err          # captured: not a terminal
+    assert "\r" not in err and err.splitlines()[0] == "quantize 2/40" and err.splitlines()[-1] == "quantize 40/40"

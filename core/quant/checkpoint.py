@@ -167,13 +167,25 @@ def _unlink(path: str) -> None:
         pass
 
 
+def same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:                 # one of them does not exist (yet)
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
 def check_output_path(out_path: str, force: bool) -> None:
+    if not out_path or out_path.endswith(("/", os.sep)):
+        raise ConfigError("OUT", out_path, "a file path", "Name the file to write, e.g. model_fp8.safetensors"
+                          + (f" or {os.path.join(out_path, 'model_fp8.safetensors')}" if out_path else "") + ".")
     if os.path.isdir(out_path):
         raise ConfigError("OUT", out_path, "a file path", "it is a folder; give the file to write, e.g. "
                           f"{os.path.join(out_path, 'model_fp8.safetensors')}")
     if os.path.exists(out_path) and not force:
         raise FileExistsError(f"{out_path} exists; pass --force (node: a new save_path) to overwrite it")
     parent = os.path.dirname(os.path.abspath(out_path))
+    if os.path.isfile(parent):
+        raise ConfigError("OUT", out_path, "a path in a folder", f"{parent} is a file, not a folder.")
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"output folder {parent} does not exist; create it first, or write into a folder "
                                 "that exists")
@@ -211,9 +223,9 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
 
     quantizer = get_quantizer(config.format)
     quantizer.require()
+    if same_file(src, dst):        # before the exists check, whose advice (--force) would not help
+        raise ConfigError("OUT", dst, "a path different from IN", "Write to a new file, then rename it yourself.")
     check_output_path(dst, force)
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise ConfigError("OUT", dst, "a path different from IN", "write to a new file, then rename it yourself")
     try:
         handle = safe_open(src, framework="pt")
     except FileNotFoundError:

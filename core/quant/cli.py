@@ -59,7 +59,10 @@ def _progress_bar():
             if done == total:
                 bar.close()
         elif done == total or done % max(1, total // 20) == 0:
-            print(f"\rquantize {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+            # a terminal rewrites one line; a log or pipe gets one line per update (\r alone ran them together)
+            tty = sys.stderr.isatty()
+            print(f"\rquantize {done}/{total}" if tty else f"quantize {done}/{total}",
+                  end="\n" if done == total or not tty else "", file=sys.stderr, flush=True)
 
     return update
 
@@ -67,12 +70,21 @@ def _progress_bar():
 def _check_paths(args) -> None:
     """IN and OUT problems, before the format's backend is imported (torchao prints library-loading
     warnings on import, which would bury a one-line error about a mistyped path)."""
-    from .checkpoint import check_output_path
+    from .checkpoint import check_output_path, same_file
 
     if not os.path.exists(args.input):
         raise FileNotFoundError(f"IN {args.input} does not exist")
     if os.path.isdir(args.input):
         raise ConfigError("IN", args.input, "a .safetensors file", "It is a folder; name the file to quantize.")
+    try:
+        with open(args.input, "rb"):
+            pass
+    except PermissionError:       # safetensors reports it as a missing file
+        raise ConfigError("IN", args.input, "a file you can read", "Permission denied: check its owner and mode "
+                          "(e.g. chmod a+r).") from None
+    if same_file(args.input, args.output):
+        raise ConfigError("OUT", args.output, "a path different from IN", "Write to a new file, then rename it "
+                          "yourself.")
     check_output_path(args.output, args.force)
 
 
