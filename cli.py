@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from .core.errors import LeversError
@@ -46,7 +47,7 @@ def _add_recommend(sub) -> None:
                    help="reference images at the output size an edit model reads (FLUX Kontext, Qwen-Image-Edit): "
                         "their tokens join the sequence")
     p.add_argument("--vram-gb", type=float, help="plan for a card with this much memory (GiB); 0 plans for the CPU")
-    p.add_argument("--ram-gb", type=float, help="host RAM available (GiB)")
+    p.add_argument("--ram-gb", type=float, help="host RAM available (GiB); plans keep 8%% of it (1.5-4 GiB) free for the OS and ComfyUI")
     p.add_argument("--h2d-gbps", type=float, help="host->GPU bandwidth (GB/s) instead of measuring")
     p.add_argument("--goal", default="balanced", choices=["fit", "balanced", "quality", "speed"])
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -121,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"levers {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``levers recommend | head -1``): not an error of this command; stdout is closed,
+        # so point it at devnull before Python flushes it at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -80,6 +80,14 @@ class BadServerURL(LeversError, ValueError):
                          f"http://127.0.0.1:8188 (from --server or COMFYUI_URL)")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after the prompt was taken out of ComfyUI's queue or stopped; ``done`` says which."""
+
+    def __init__(self, done: str):
+        self.done = done
+        super().__init__(done)
+
+
 class PromptRejected(LeversError, RuntimeError):
     """ComfyUI answered /prompt with a validation error."""
 
@@ -715,6 +723,8 @@ def coerce_value(spec: InputSpec, raw: str, where: str):
             value = float(text)
         except ValueError:
             raise WorkflowError(f"{where}: expects a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise WorkflowError(f"{where}: expects a finite number, got {raw!r} (JSON has no NaN or infinity)")
         problems = _check_range(where, value, spec.options)
         if problems:
             raise WorkflowError(problems[0])
@@ -852,7 +862,16 @@ class ComfyClient:
             raise ServerUnreachable(self.server, f"GET {path} did not return JSON; is this a ComfyUI server?") from None
 
     def object_info(self) -> dict:
-        return self.get_json("/object_info")
+        try:
+            info = self.get_json("/object_info")
+        except ServerUnreachable:
+            raise
+        except LeversError as exc:    # a web server, but not ComfyUI (or ComfyUI under another path)
+            raise ServerUnreachable(self.server, f"{exc}; is this a ComfyUI server?") from None
+        if not isinstance(info, dict):
+            raise ServerUnreachable(self.server, "GET /object_info is not ComfyUI's node list; is this a ComfyUI "
+                                                 "server?")
+        return info
 
     def submit(self, api: dict, client_id: str) -> tuple[str, dict]:
         """Queue ``api``; returns (prompt id, node_errors).
@@ -875,8 +894,19 @@ class ComfyClient:
     def history(self, prompt_id: str) -> dict | None:
         return self.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
 
-    def interrupt(self, prompt_id: str) -> None:
-        self._request("POST", "/interrupt", {"prompt_id": prompt_id})
+    def cancel(self, prompt_id: str) -> str:
+        """Stop ``prompt_id`` whether it still waits in ComfyUI's queue or runs (``/interrupt`` alone only stops a
+        running prompt: a waiting one ran later anyway); returns what was done, for the message."""
+        try:
+            waiting = any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id
+                          for item in self.get_json("/queue").get("queue_pending", []))
+        except (LeversError, AttributeError):
+            waiting = None
+        self._request("POST", "/queue", {"delete": [prompt_id]})          # a waiting prompt: dropped, never runs
+        self._request("POST", "/interrupt", {"prompt_id": prompt_id})     # a running one: stopped, no other prompt
+        return {True: "took this prompt out of ComfyUI's queue before it started",
+                False: "asked ComfyUI to stop this prompt"}.get(
+            waiting, "asked ComfyUI to drop this prompt from its queue, or stop it if it runs")
 
     def view(self, filename: str, subfolder: str, kind: str) -> bytes:
         query = urllib.parse.urlencode({"filename": filename, "subfolder": subfolder, "type": kind})
@@ -1115,8 +1145,11 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
         try:
             status, error = _follow(client, ws, prompt_id, progress, deadline, poll_interval)
         except KeyboardInterrupt:
-            client.interrupt(prompt_id)
-            raise
+            try:
+                done = client.cancel(prompt_id)
+            except ServerUnreachable:
+                done = f"could not reach ComfyUI to stop prompt {prompt_id}: it may still run"
+            raise Interrupted(done) from None
     finally:
         progress.finish()
         if ws is not None:
@@ -1348,6 +1381,9 @@ def resolve_workflow_path(name: str) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise WorkflowError(f"workflow {name!r} is a folder: give a workflow .json file in it, or a shipped example's "
+                            "name")
     stem = path.stem if path.suffix == ".json" else path.name
     for candidate in (EXAMPLES_DIR / "api" / f"{stem}.json", EXAMPLES_DIR / f"{stem}.json"):
         if candidate.is_file():
@@ -1372,6 +1408,8 @@ def load_workflow(path: Path) -> dict:
             f"byte {exc.start} is not valid UTF-8")
         raise WorkflowError(f"{path}: not a UTF-8 JSON workflow ({found}); save it as UTF-8 JSON (what ComfyUI's "
                             f"Save and Export (API) write)") from None
+    if not text.strip():
+        raise WorkflowError(f"{path} is empty; expected a workflow saved from ComfyUI (Save, or Export (API))")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -1477,17 +1515,13 @@ def run(args) -> int:
         object_info = client.object_info()
         api = prepare_prompt(workflow, object_info, args.sets, validate=not args.no_validate)
     except BadServerURL as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_INVALID
+        return _fail(args, err, "invalid", exc, EXIT_INVALID)
     except ServerUnreachable as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_UNREACHABLE
+        return _fail(args, err, "unreachable", exc, EXIT_UNREACHABLE)
     except WorkflowError as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_INVALID
+        return _fail(args, err, "invalid", exc, EXIT_INVALID)
     except LeversError as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_FAILED
+        return _fail(args, err, "error", exc, EXIT_FAILED)
     if args.dry_run:
         print(json.dumps(api, indent=2))
         return EXIT_OK
@@ -1496,22 +1530,34 @@ def run(args) -> int:
         result = run_prompt(client, api, out_dir=args.out, timeout=args.timeout or None, progress=progress,
                             use_websocket=not args.poll)
     except PromptRejected as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_FAILED
+        return _fail(args, err, "rejected", exc, EXIT_FAILED)
     except ServerUnreachable as exc:
-        print(f"error: lost the server during the run: {exc}", file=err)
-        return EXIT_UNREACHABLE
-    except KeyboardInterrupt:
-        print("\ninterrupted: asked ComfyUI to stop this prompt", file=err)
+        return _fail(args, err, "unreachable", f"lost the server during the run: {exc}", EXIT_UNREACHABLE)
+    except KeyboardInterrupt as exc:
+        done = exc.done if isinstance(exc, Interrupted) else "nothing was submitted"
+        print(f"\ninterrupted: {done}", file=err)
+        _json_error(args, "interrupted", done)
         return EXIT_INTERRUPTED
     except LeversError as exc:
-        print(f"error: {exc}", file=err)
-        return EXIT_FAILED
+        return _fail(args, err, "error", exc, EXIT_FAILED)
     except OSError as exc:       # saving the downloads (the prompt ran on the server)
-        print(f"error: the prompt ran but its outputs could not be saved into {args.out}: {exc}", file=err)
-        return EXIT_FAILED
+        return _fail(args, err, "error", f"the prompt ran but its outputs could not be saved into {args.out}: {exc}",
+                     EXIT_FAILED)
     _print_result(result, args, err, api)
     return {"success": EXIT_OK, "timeout": EXIT_TIMEOUT}.get(result.status, EXIT_FAILED)
+
+
+def _json_error(args, status: str, message) -> None:
+    """With --json, a run that ends before a result still prints a JSON object on stdout, for scripts."""
+    if getattr(args, "json_summary", False):
+        print(json.dumps({"prompt_id": None, "status": status, "files": [], "reports": {}, "error": str(message),
+                          "node_errors": {}}, indent=2))
+
+
+def _fail(args, err, status: str, message, code: int) -> int:
+    print(f"error: {message}", file=err)
+    _json_error(args, status, message)
+    return code
 
 
 def _print_result(result: RunResult, args, err, api: dict | None = None) -> None:

@@ -340,6 +340,8 @@ class FakeComfy:
         self.history: dict[str, dict] = {}
         self.files: dict[tuple, bytes] = {}
         self.interrupts: list[dict] = []
+        self.deletes: list[dict] = []       # POST /queue bodies
+        self.pending: list[str] = []        # prompts queued and not started ("hang" mode)
         self.clients: dict[str, queue.Queue] = {}
         self.ws_connected = threading.Event()
         self.register_delay = 0.0     # seconds between the handshake and filing the socket (ComfyUI has a gap too)
@@ -430,6 +432,9 @@ class FakeComfy:
                 query = urllib.parse.parse_qs(url.query)
                 if url.path == "/object_info":
                     return self._json(fake.object_info)
+                if url.path == "/queue":
+                    return self._json({"queue_running": [], "queue_pending": [[i, pid, {}, {}, []] for i, pid in
+                                                                             enumerate(fake.pending)]})
                 if url.path.startswith("/history/"):
                     pid = url.path.rsplit("/", 1)[1]
                     return self._json({pid: fake.history[pid]} if pid in fake.history else {})
@@ -479,6 +484,10 @@ class FakeComfy:
                 if self.path == "/interrupt":
                     fake.interrupts.append(body)
                     return self._json({})
+                if self.path == "/queue":
+                    fake.deletes.append(body)
+                    fake.pending = [p for p in fake.pending if p not in body.get("delete", [])]
+                    return self._json({})
                 if self.path != "/prompt":
                     return self._json({"error": "not found"}, 404)
                 fake.prompts.append(body)
@@ -496,6 +505,8 @@ class FakeComfy:
                 if fake.mode != "hang":
                     threading.Thread(target=fake.execute, args=(pid, runnable, body.get("client_id")),
                                      daemon=True).start()
+                else:
+                    fake.pending.append(pid)
                 return self._json({"prompt_id": pid, "number": len(fake.prompts), "node_errors": fake.node_errors})
 
         return Handler
@@ -865,3 +876,62 @@ def test_links_with_a_numeric_node_id_are_sent_as_comfyui_takes_them(tmp_path, c
     with FakeComfy(MINI_OI) as fake:
         assert _cli(["run", str(path), "--server", fake.url, "--out", str(tmp_path / "o"), "--quiet"]) == C.EXIT_OK
     assert fake.prompts[0]["prompt"]["3"]["inputs"]["model"] == ["1", 0]
+
+
+def test_ctrl_c_on_a_prompt_still_in_the_queue_takes_it_out(api_file, capsys):
+    """Found in review: Ctrl-C sent only POST /interrupt, which ComfyUI applies to the running prompt: a prompt still
+    waiting behind another one ran later anyway, and the message said it had been stopped."""
+    import _thread
+
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "hang"
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        timer.start()
+        try:
+            rc = _cli(["run", str(api_file), "--server", fake.url, "--json"])
+        finally:
+            timer.cancel()
+        (pid,) = [d["delete"][0] for d in fake.deletes]
+    assert rc == C.EXIT_INTERRUPTED and fake.pending == []
+    assert fake.interrupts == [{"prompt_id": pid}]        # and a running one would be stopped (that one only)
+    out = capsys.readouterr()
+    assert "took this prompt out of ComfyUI's queue before it started" in out.err
+    assert json.loads(out.out)["status"] == "interrupted"
+
+
+def test_a_web_server_that_is_not_comfyui_is_unreachable_not_a_failed_prompt(api_file, capsys):
+    """Found in review: a plain web server answered /object_info with a 404 page: exit 1 (a failed prompt) and raw
+    HTML. No ComfyUI answered, so it is exit 3 with one line."""
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url + "/some/prefix"])
+    assert rc == C.EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert "is this a ComfyUI server?" in err and err.count("\n") == 1
+
+
+def test_errors_before_a_result_still_print_json_and_name_the_problem(api_file, tmp_path, capsys):
+    """Found in review: with --json, a workflow refused locally, a prompt ComfyUI rejected or an unreachable server
+    printed nothing on stdout (scripts got a JSON parse error); a folder given as the workflow was 'not found', an
+    empty file 'Expecting value'."""
+    (tmp_path / "empty.json").write_text("  \n")
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(tmp_path), "--server", fake.url, "--json"]) == C.EXIT_INVALID
+        first = capsys.readouterr()
+        assert "is a folder" in first.err and json.loads(first.out)["status"] == "invalid"
+        assert _cli(["run", str(tmp_path / "empty.json"), "--server", fake.url]) == C.EXIT_INVALID
+        assert "is empty" in capsys.readouterr().err
+        fake.mode = "reject"
+        assert _cli(["run", str(api_file), "--server", fake.url, "--json"]) == C.EXIT_FAILED
+        assert json.loads(capsys.readouterr().out)["status"] == "rejected"
+    assert _cli(["run", str(api_file), "--server", fake.url, "--json"]) == C.EXIT_UNREACHABLE
+    assert json.loads(capsys.readouterr().out)["status"] == "unreachable"
+
+
+def test_set_refuses_nan_and_infinity(api_file, capsys):
+    """Found in review: --set 13.cfg=nan passed --set (only the local check caught it; with --no-validate the prompt
+    carried a NaN, which is not JSON)."""
+    with FakeComfy(MINI_OI) as fake:
+        for bad in ("nan", "inf", "-Infinity"):
+            assert _cli(["run", str(api_file), "--server", fake.url, "--no-validate", "--dry-run",
+                         "--set", f"3.cfg={bad}"]) == C.EXIT_INVALID
+    assert capsys.readouterr().err.count("expects a finite number") == 3
