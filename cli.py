@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from . import __version__
 from .core.errors import LeversError
 
 # Subcommands provided by other modules, each exposing register_cli(subparsers).
@@ -25,9 +26,10 @@ def _positive_int(text: str) -> int:
 
 def _demo_size(text: str) -> int:
     v = _positive_int(text)
-    if v < 32 or v % 16:
-        raise argparse.ArgumentTypeError(f"{v} must be a multiple of 16 and at least 32 (the demo's latent is 1/8 of "
-                                         "the image and its DiT takes 2x2 patches), e.g. 256")
+    if v < 32 or v % 16 or v > 2048:
+        raise argparse.ArgumentTypeError(f"{v} must be a multiple of 16 from 32 to 2048 (the demo's latent is 1/8 of "
+                                         "the image and its DiT takes 2x2 patches; beyond 2048 px its CPU run takes "
+                                         "minutes), e.g. 256")
     return v
 
 
@@ -79,7 +81,7 @@ def _run_recommend(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="run a tiny random-weight DiT + VAE pipeline with the plan's levers (no downloads)")
     p.add_argument("--steps", type=_positive_int, default=4)
-    p.add_argument("--size", type=_demo_size, default=256, help="image size in pixels (a multiple of 16, >= 32)")
+    p.add_argument("--size", type=_demo_size, default=256, help="image size in pixels (a multiple of 16, 32-2048)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_demo)
 
@@ -94,6 +96,7 @@ def _run_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="levers", description="Fit big diffusion transformers on the GPU you have.")
+    parser.add_argument("--version", action="version", version=f"levers {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_recommend(sub)
     _add_demo(sub)

@@ -50,6 +50,7 @@ VIRTUAL_NODES = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
 MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".gguf", ".pkl")
 MODE_NEVER, MODE_BYPASS = 2, 4
+NOT_INSTALLED_FIX = "install the node pack that provides it, e.g. with ComfyUI-Manager, and restart ComfyUI"
 
 
 class WorkflowError(LeversError, ValueError):
@@ -388,7 +389,8 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
         info = object_info.get(kind)
         if info is None:
             if _has_links(node):
-                problems.append(f"{_node_label(node)}: node type {kind!r} is not installed on this ComfyUI")
+                problems.append(f"{_node_label(node)}: node type {kind!r} is not installed on this ComfyUI "
+                                f"({NOT_INSTALLED_FIX})")
             continue  # an unlinked unknown node is frontend-only decoration (labels, groups helpers)
         inputs = _convert_inputs(node, info, resolve, problems)
         api[str(node["id"])] = {"inputs": inputs, "class_type": kind,
@@ -491,7 +493,7 @@ def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = Fa
         label = f"node {node_id} ({kind})"
         info = object_info.get(kind)
         if info is None:
-            problems.append(f"{label}: node type {kind!r} is not installed on this ComfyUI")
+            problems.append(f"{label}: node type {kind!r} is not installed on this ComfyUI ({NOT_INSTALLED_FIX})")
             continue
         has_output = has_output or bool(info.get("output_node"))
         inputs = node.get("inputs", {})
@@ -774,7 +776,8 @@ def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) 
         info = object_info.get(node["class_type"])
         where = f"--set {a.node}.{a.input}"
         if info is None:
-            raise WorkflowError(f"{where}: node type {node['class_type']!r} is not installed on this ComfyUI")
+            raise WorkflowError(f"{where}: node type {node['class_type']!r} is not installed on this ComfyUI "
+                                f"({NOT_INSTALLED_FIX})")
         specs = {s.name: s for s in input_specs(info, node.get("inputs") or {})}
         spec = specs.get(a.input)
         if spec is None:

@@ -526,14 +526,14 @@ def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
     if goal is Goal.SPEED:
         # within 0.5 % of the fastest is a tie (below what the time model can tell apart): the least lossy of those
         fastest = min(c.total_seconds for c in cands)
-        return min((c for c in cands if c.total_seconds <= fastest * 1.005), key=lambda c: (c.loss, c.total_seconds,
-                                                                                             c.peak))
+        near = [c for c in cands if c.total_seconds <= fastest * 1.005]
+        return min(near, key=lambda c: (c.loss, c.total_seconds, c.peak))
     if goal is Goal.FIT:
         return min(cands, key=lambda c: (streams(c), c.peak, c.total_seconds))
     # balanced: a continuous trade: each lossy rank (fp8 = 1, nf4 = 3, fp8 text encoder = 0.2, modulation linears
-    # quantized too = 0.5) is worth +33% time. Streaming every step also costs bus traffic and rests on the compute estimate, so it
-    # counts 0.3. fp8 wins where it is markedly faster (image DiTs on fp8 tensor cores, or avoiding slow
-    # streaming); lossless wins where the difference is small (attention-bound video DiTs).
+    # quantized too = 0.5) is worth +33% time. Streaming every step also costs bus traffic and rests on the compute
+    # estimate, so it counts 0.3. fp8 wins where it is markedly faster (image DiTs on fp8 tensor cores, or avoiding
+    # slow streaming); lossless wins where the difference is small (attention-bound video DiTs).
     best = min(c.total_seconds for c in cands)
     return min(cands, key=lambda c: (c.loss + (0.3 if streams(c) else 0.0) + 3.0 * (c.total_seconds / best - 1.0),
                                      c.total_seconds, c.peak))
