@@ -17,7 +17,8 @@ from .probe import CPU_TFLOPS, GiB, Machine
 from .types import Component, Goal, Precision, Residency
 
 OVERHEAD_BYTES = int(1.5 * GiB)     # CUDA context + allocator fragmentation (seed 000: 1-2 GB)
-CONTEXT_BYTES = int(0.5 * GiB)      # this process's CUDA context: in OVERHEAD_BYTES, outside torch's allocator
+# this process's CUDA context and loaded kernels: in OVERHEAD_BYTES, outside torch's allocator
+CONTEXT_BYTES = int(0.75 * GiB)
 COMFY_DEFAULT_RESERVE = {"windows": 600 * 2 ** 20}    # ComfyUI's own reserve without --reserve-vram (in OVERHEAD_BYTES)
 COMFY_DEFAULT_RESERVE_ELSEWHERE = 400 * 2 ** 20
 WITHHELD_NOISE = 256 * 2 ** 20      # other programs' VRAM below this is noise the overhead covers
