@@ -161,3 +161,18 @@ def test_a_new_run_starts_when_the_prompt_changes(monkeypatch):
     assert group.run.run_id == "prompt-2-node5" and not first.phases[0].open
     group.new_run()
     assert group.run is None and group._begin_run(None).prompt_id is None
+
+
+def test_a_load_that_raises_leaves_the_component_swapping():
+    """Found by mutation testing: if ComfyUI's load raises part way (an OOM), the component's depth must still come
+    back to 0, or PhaseOffload silently stops swapping it for the rest of the process."""
+    m = nn.Sequential(nn.Linear(8, 8))
+    group = P.PhaseGroup(P.PhaseSettings(pin="off"))
+    comp = P.Component(name="diffusion_model", module=m, group=group, dynamic=False,
+                       load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+    patcher = SimpleNamespace(load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"),
+                              weight_inplace_update=False)
+    with pytest.raises(RuntimeError, match="part way"):
+        with comp.moves(patcher, "load"):
+            raise RuntimeError("allocation failed part way")
+    assert comp.depth == 0

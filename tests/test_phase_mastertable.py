@@ -199,6 +199,9 @@ def test_a_device_wrapper_written_into_is_not_kept_after_the_unload():
         except Exception:                       # noqa: BLE001 - the toy wrapper cannot go to meta; not the point
             pass
     assert table.wrapped["1.weight"].dev is None
+    # the swap back was refused: the module does not hold the host master again (found by mutation testing: with
+    # the version check off, the stale master came back and the assert above still held)
+    assert m[1].weight is not table.wrapped["1.weight"].host
 
 
 def test_a_wrapper_put_in_place_since_the_capture_is_adopted_at_load():
@@ -327,3 +330,17 @@ def test_read_only_views_with_gaps_are_rebound_to_a_packed_pinned_copy(read_only
     ptrs = {m.a.weight.data_ptr(), m.c.weight.data_ptr()}
     assert blob.data_ptr() not in ptrs and m.b.weight.data_ptr() == m.a.weight.data_ptr()
     assert all(torch.equal(got, ref) for got, ref in zip([m.a(x), m.b(x), m.c(x)], want))
+
+
+def test_an_onload_waits_for_compute_before_its_first_copy():
+    """Found by mutation testing: without the wait, on CUDA the copy stream may write memory that earlier compute
+    still reads."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    tr = RecordingTransport(CpuTransport())
+    t = MasterTable(m, "dit", tr)
+    t.capture()
+    start = len(tr.ops)
+    moved, _ = t.onload(m, torch.device("cuda", 0))
+    ops = tr.ops[start:]
+    first_copy = next(i for i, op in enumerate(ops) if op.kind == "h2d")
+    assert moved and any(op.kind == "wait_compute" for op in ops[:first_copy])

@@ -447,3 +447,14 @@ def test_views_sharing_a_start_are_one_pinned_range_given_back_once(driver):
         assert sorted(driver.ranges.values()) == [512 * 4, 1024 * 4]       # w (with its slices) and b
         store.unpin_all()
         assert driver.ranges == {} and not pinned_by_levers(blob[:1024])
+
+
+def test_an_explicit_pin_budget_holds_over_all_components():
+    """Found by mutation testing: with pin = on the budget was checked against each component alone, so the store
+    could page-lock more than the user allowed in total."""
+    first, second = _groups(), _groups()
+    need = sum(t.nbytes for t in first)
+    store = _store(PinningTransport(), "on", budget=need + need // 2)
+    assert store.pin_component("te", first).pinned
+    out = store.pin_component("vae", second)
+    assert not out.pinned and "budget" in out.reason and store.pinned_bytes <= need + need // 2

@@ -974,3 +974,23 @@ def test_a_time_only_split_says_whole_frames():
     p = plan(get_preset("wan2.1-14b"), Workload(832, 480, 81), machine(12))
     (note,) = [n for n in p.vae.notes if n.startswith("tiled decode")]
     assert p.vae.tiling.tile_px >= 832 and "whole frames" in note and "0px overlap" not in note
+
+
+@pytest.mark.parametrize("vram", [12, 16, 24])
+def test_a_streamed_layout_keeps_its_headroom(vram):
+    """Found by mutation testing: sizing the slots one short (depth instead of depth + 1) ate the 8 % headroom and
+    passed the peak check."""
+    from comfyui_levers.core.plan import STREAM_HEADROOM
+
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28), machine(vram), goal="quality")
+    dm = p.diffusion_model
+    assert dm.residency is Residency.STREAMED
+    assert dm.resident_bytes <= STREAM_HEADROOM * (p.budget_bytes - p.activation_bytes)
+
+
+def test_the_fit_goal_takes_a_plan_that_does_not_stream_when_one_fits():
+    """'smallest peak, streaming last': without the streaming key the fit goal took bf16 streamed (found by mutation
+    testing)."""
+    spec = get_preset("hidream-i1")
+    p = plan(spec, Workload(1024, 1024, 1, spec.default_steps), machine(12), goal="fit")
+    assert p.fits and p.diffusion_model.residency is not Residency.STREAMED

@@ -270,7 +270,8 @@ def test_groups_wider_than_the_staging_buffer_unpack_in_pieces(monkeypatch):
 
 def test_packed_budget_counts_the_staging_buffer():
     m = make_wan(mixed=True, n=8)
-    for budget in (60_000, 90_000, 150_000):
+    staged = []
+    for budget in (60_000, 150_000, 250_000):
         try:
             h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, budget, packed=True), _rec(), bandwidth=0)
         except Exception as exc:       # noqa: BLE001 - BudgetExceeded at the smallest budget is fine
@@ -280,10 +281,15 @@ def test_packed_budget_counts_the_staging_buffer():
             s = h.stats()
             assert s["resident_bytes"] + s["slot_bytes"] + s["staging_bytes"] <= budget
             assert s["device_bytes_planned"] <= budget
+            if s["packed"]:
+                staged.append(s["staging_bytes"])
             with torch.no_grad():
                 m(*wan_inputs())
         finally:
             h.remove()
+    # the case this test is for: a packed plan, whose staging buffer the budget had to hold (found by mutation
+    # testing: the budgets tried before built only unpacked plans, staging 0)
+    assert staged and all(b > 0 for b in staged)
 
 
 def test_packed_split_plan_resident_tails_are_unpacked_bit_exact():

@@ -178,3 +178,20 @@ def test_a_group_loaded_on_demand_does_not_evict_the_groups_prefetched_for_what_
             assert len(copies) == len(set(copies)), copies        # no group copied twice in one forward
     finally:
         h.remove()
+
+
+def test_a_group_with_one_skipped_block_stays_in_the_prefetch_order():
+    """Found by mutation testing: with groups of 2, a group whose other block runs dropped out of the learned route
+    when any of its blocks was skipped, and loaded on demand at every forward."""
+    m, (x, t) = make_wan(n=8), wan_inputs()
+    m.skip = {3}
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 0, BIG, partial_blocks=False), RecordingTransport(CpuTransport()),
+                             bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(x, t)
+            for _ in range(2):
+                m(x, t)
+                assert h.last.misses == 0
+    finally:
+        h.remove()

@@ -346,16 +346,19 @@ def test_split_plan_remove_restores_every_tensor():
 def test_split_plans_only_when_allowed():
     m = make_wan(n=8)
     budget = _tight(m, _rec())
+    built = 0
     for cfg in (PrefetchConfig(2, 1, AUTO, budget), PrefetchConfig(1, 1, 1, budget),
                 PrefetchConfig(1, 1, AUTO, budget, partial_blocks=False)):
         try:
             h = apply_group_prefetch(m, cfg, _rec(), bandwidth=0)
         except BudgetExceeded:
             continue
+        built += 1
         try:
             assert not h.plan.split, cfg
         finally:
             h.remove()
+    assert built, "no configuration built: the test checked nothing"
 
 
 def test_budget_too_small_raises_budget_exceeded():
@@ -827,5 +830,120 @@ def test_each_layout_asks_for_its_device_bytes_before_allocating_them(monkeypatc
         assert builds()[1][1] > allocated, "the deeper layout allocates one more slot, asked for first"
         with torch.no_grad():
             assert torch.equal(m(*wan_inputs()), ref)
+    finally:
+        h.remove()
+
+
+# --- found by mutation testing (2026-12-01): each fails on the mutant it names --------------------------------------
+
+def test_depth_two_copies_two_groups_ahead():
+    """With prefetch_depth 2 the copy of group i+2 is issued before group i computes (a depth-1 lookahead passed
+    every other test: the extra slot bought nothing)."""
+    m, x = make_wan(n=8), wan_inputs()
+    tr = _rec()
+    h = apply_group_prefetch(m, PrefetchConfig(1, 2, 0, BIG, partial_blocks=False), tr, bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(*x)
+            start = len(tr.ops)
+            m(*x)
+        ops, order = tr.ops, h.stream_order
+        for i, g in enumerate(order[:-2]):
+            compute = next(j for j in range(start, len(ops)) if ops[j].kind == "compute" and ops[j].tag == f"group{g}")
+            two = f"group{order[i + 2]}"
+            copies = [j for j in range(start, len(ops)) if ops[j].kind == "h2d" and ops[j].tag == two]
+            assert copies and copies[0] < compute, (g, two)
+    finally:
+        h.remove()
+
+
+def _bound_to_the_host(h) -> bool:
+    return all(r.get().data_ptr() == e.host_view.data_ptr()
+               for gi in h.stream_order for e in h.groups[gi].plain for r in e.refs)
+
+
+def test_streamed_weights_point_at_the_host_copy_between_forwards():
+    """Outside its compute a streamed weight is its host copy: anything reading or patching weights between steps
+    (ComfyUI's hook patches, state_dict) must not see a device slot the next copy overwrites."""
+    m, x = make_flux(fp8_single=True), flux_inputs()
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 1, BIG), _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(*x)
+            m(*x)
+        assert _bound_to_the_host(h)
+    finally:
+        h.remove()
+
+
+def test_a_forward_that_skips_a_groups_last_block_still_releases_it():
+    """The group is released at the forward's end when its last block never ran (skip-layer guidance)."""
+    m, (x, t) = make_wan(n=8), wan_inputs()
+    m.skip = {7}
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 0, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(x, t)
+        assert h.bound is None and _bound_to_the_host(h)
+    finally:
+        h.remove()
+
+
+def test_the_first_streamed_group_is_prefetched_at_the_forward_start():
+    """Its copy overlaps the embedders: the first forward loads nothing on demand."""
+    m, x = make_flux(fp8_single=True), flux_inputs()
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 1, BIG), _rec(), bandwidth=0)
+    try:
+        with torch.no_grad():
+            m(*x)
+        assert h.last.misses == 0
+    finally:
+        h.remove()
+
+
+def test_the_planner_times_the_resident_blocks_too():
+    m = make_wan(n=8)
+    cfg = PrefetchConfig(1, 1, 2, BIG, partial_blocks=False)
+    h = apply_group_prefetch(m, cfg, _rec(), bandwidth=0)
+    try:
+        comp = [0.01 * (b + 1) for b in range(8)]
+        p = plan_groups(h.store, cfg, BIG, h.remainder_bytes, 1e6, comp, 0.5)
+        assert p.resident_groups == 2 and p.compute_s == pytest.approx(0.5 + sum(comp))
+    finally:
+        h.remove()
+
+
+def test_a_copy_waits_for_its_slots_previous_compute():
+    """One slot pair: group 2's 3 s copy starts when group 0's compute frees its slot, so each forward stalls 2 s on
+    top of 5 s of compute."""
+    assert simulate_forward(0.0, [1, 1, 3], [1, 1, 3], depth=1) == pytest.approx(7.0)
+
+
+def test_a_tensor_shared_between_blocks_stays_resident_and_counts_in_the_budget():
+    """Streamed as its first block's, the second block would compute with it still on the host (on a GPU); kept out
+    of the budget, the plan could exceed the VRAM it was given."""
+    m, (x, t) = make_wan(n=6), wan_inputs()
+    m.blocks[3].o.weight = m.blocks[2].o.weight
+    with torch.no_grad():
+        ref = m(x, t)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        assert any("shared between blocks" in why for _, why in h.store.kept)
+        w = m.blocks[2].o.weight
+        outside = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if not n.startswith("blocks."))
+        assert h.remainder_bytes == outside + w.numel() * w.element_size()
+        with torch.no_grad():
+            assert torch.equal(m(x, t), ref)
+    finally:
+        h.remove()
+
+
+def test_the_reported_device_bytes_add_up_to_the_plan():
+    m = make_flux(fp8_single=True)
+    h = apply_group_prefetch(m, PrefetchConfig(2, 1, 1, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        s = h.stats()
+        assert h.remainder_bytes > 0
+        assert s["resident_bytes"] + s["slot_bytes"] + s["staging_bytes"] == s["device_bytes_planned"]
     finally:
         h.remove()

@@ -250,3 +250,12 @@ def test_budget_error_names_the_least_any_plan_needs(shape, cost, kw, least):
         plan_decode(shape, 8, cost, budget_bytes=1000, halo_px=8.0, **kw)
     assert info.value.component == f"VAE decode ({least})", str(info.value)
     assert info.value.needed_bytes == _least_budget(shape, cost, kw)
+
+
+def test_batch_slices_take_as_many_images_as_fit():
+    """Found by mutation testing: the one slicing test had room for one image per pass, so decoding fewer per pass
+    than fit (slower) went unnoticed."""
+    cost = DecodeCost(whole_bytes_per_px=4000.0, tile_bytes_per_px=4000.0, stem_bytes_per_px=500.0,
+                      stored_bytes_per_px=100.0)
+    p = plan_decode((4, 16, 64, 64), 8, cost, budget_bytes=int(2.5 * 4000 * 512 * 512))
+    assert p.mode == "whole" and p.batch_per_pass == 2

@@ -128,6 +128,21 @@ def test_kl_budget_just_below_the_whole_decode_runs_layered_and_exact(comfy_env,
     assert layered.peak_bytes < whole.peak_bytes, (layered.peak_bytes, whole.peak_bytes)
 
 
+def test_the_default_budget_is_90_percent_of_the_free_memory(comfy_env, kl_vae, monkeypatch):
+    """memory_budget_gb = 0 (the default) plans against 90 % of what ComfyUI reports free (found by mutation testing:
+    every other test gives a budget, so 100 % passed them all). This decode needs about 0.062 GB whole and runs
+    layered within 0.055: with 0.065 GB free it must not run whole, with 0.075 it does."""
+    GIB = 1024 ** 3
+    latent = {"samples": smooth_latent((1, 16, 40, 40), 2)}
+    mm = comfy_env.mm
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: int(0.065 * GIB))
+    _, report = run_node(comfy_env, latent, kl_vae, unload_other_models=False)
+    assert "budget 90% of free memory" in report and "mode=whole" not in report, report
+    monkeypatch.setattr(mm, "get_free_memory", lambda *a, **k: int(0.075 * GIB))
+    _, report = run_node(comfy_env, latent, kl_vae, unload_other_models=False)
+    assert "mode=whole" in report, report
+
+
 def test_a_recommend_plan_is_reported_but_the_node_plans_from_its_measurement(comfy_env, kl_vae):
     """Recommend's tiling comes from a formula (overlap = tile / 8, below this VAE's receptive field): forcing it
     would blend seams. The node reports it and keeps its own measured plan, which here is the whole decode."""
