@@ -401,19 +401,27 @@ def plan_for_another_family(plan, model) -> str:
             "plan")
 
 
-def choose_format(fmt: str, plan) -> tuple[str, list[str]]:
-    """The node's ``auto``: the plan's diffusion-model precision, else fp8; missing backends fall back to fp8."""
+def choose_format(fmt: str, plan, saving: bool = False) -> tuple[str | None, list[str]]:
+    """The node's format: ``auto`` takes the plan's diffusion-model precision; a plan that keeps it 16-bit passes the
+    model through (None), unless a file is to be saved; without a plan, fp8. Missing backends fall back to fp8. A
+    format set on the node wins, with a note when the connected plan says otherwise."""
     notes = []
+    planned = plan.diffusion_model.precision if plan is not None else None
     if fmt != "auto":
+        if planned is not None and str(planned) != fmt:
+            notes.append(f"format {fmt} (set on the node) differs from the plan's {planned}: the node's setting wins; "
+                         "format = auto follows the plan")
         return fmt, notes
     chosen = "fp8_e4m3fn"
-    if plan is not None:
-        planned = plan.diffusion_model.precision
+    if planned is not None:
         if planned.is_quantized:
             chosen = str(planned)
             notes.append(f"format auto: {chosen} from the plan")
+        elif not saving:
+            return None, [f"format auto: the plan keeps the diffusion model in {planned}, so it passes through "
+                          "unquantized; set a format to quantize anyway"]
         else:
-            notes.append(f"format auto: the plan keeps {planned}; using fp8_e4m3fn as the smallest near-lossless")
+            notes.append(f"format auto: the plan keeps {planned}; saving fp8_e4m3fn, the smallest near-lossless")
     ok, why = get_quantizer(chosen).available()
     if not ok:
         notes.append(f"format auto: {chosen} unavailable ({why}); fell back to fp8_e4m3fn")
@@ -431,7 +439,7 @@ def choose_modulation(modulation: str, plan, notes: list[str]) -> bool:
         return choice == "quantize"
     planned = bool(plan is not None and getattr(plan.diffusion_model, "quantize_modulation", False))
     if planned:
-        notes.append("modulation auto: quantized, as the plan says (keeping them 16-bit would not fit its card)")
+        notes.append("modulation auto: quantized, as the plan says (its report says why)")
     return planned
 
 
@@ -606,7 +614,11 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
                   keep_last_blocks: int = 0, extra_skip: str = "", plan=None, save_path: str = "",
                   quality_check_enabled: bool = True, modulation: str = "auto"):
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
-    chosen, notes = choose_format(fmt, plan)
+    saving = bool(save_path and save_path.strip())
+    chosen, notes = choose_format(fmt, plan, saving)
+    if chosen is None:          # auto on a 16-bit plan: nothing to do, and the report says so
+        require_model(model)
+        return model, "QuantizeDiT: passed through unchanged\n" + "\n".join(f"  note: {n}" for n in notes)
     qmod = choose_modulation(modulation, plan, notes)
     mismatch = plan_for_another_family(plan, model)
     if mismatch:

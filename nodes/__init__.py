@@ -1,9 +1,13 @@
-"""The five Levers nodes. Each file is a schema plus one call into ``core`` (through ``bridge``)."""
+"""The Levers nodes: the five levers and the Load Quantized DiT loader. Each file is a schema plus one call into
+``core`` (through ``bridge``)."""
 from __future__ import annotations
 
 import importlib
 import logging
 
+# every node's report output (defined before the node modules import it)
+REPORT_TIP = ("What this node did, as text (also shown on the node): connect it to a text preview node, or read it "
+              "in the run's outputs.")
 _NODE_MODULES = ("recommend", "quantize", "load_quantized", "phase_offload", "group_prefetch", "tiled_vae")
 
 log = logging.getLogger("levers")

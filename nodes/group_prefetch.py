@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.prefetch import PlanBudget, attach_group_prefetch, plan_budget
 from ..core.errors import ConfigError
 from ..core.residency.prefetch import AUTO, PrefetchConfig
@@ -87,7 +88,9 @@ class LeversGroupPrefetch(io.ComfyNode):
                                    "auto. Group size, depth and resident blocks are sized from this model's real "
                                    "blocks and measured compute, within the budget."),
             ],
-            outputs=[io.Model.Output(display_name="model"), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(display_name="model",
+                                     tooltip="A clone that streams its blocks; the input model is unchanged."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP)],
             hidden=[io.Hidden.unique_id],   # each sampling run's achieved numbers are shown on this node
         )
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.quant_loader import COMPUTE_DTYPES, load_quantized_dit, resolve_unet_path
 
 
@@ -26,7 +27,9 @@ class LeversLoadQuantizedDiT(io.ComfyNode):
                                tooltip="dtype of the kept (unquantized) weights and of the dequantized layers' "
                                        "compute. auto: what ComfyUI picks for this model and device."),
             ],
-            outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(display_name="MODEL",
+                                     tooltip="The diffusion model, weights kept as stored (quantized codes + scales)."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP)],
         )
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.phase import PhaseSettings, apply, report_text
 from ..core.residency.pinned import PinMode
 from ..core.types import Residency
@@ -76,8 +77,13 @@ class LeversPhaseOffload(io.ComfyNode):
                                        "the GPU alone and switching is one copy in, a pointer swap out. Placed "
                                        "with model_device. Its managed clone is the MODEL_2 output."),
             ],
-            outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP"),
-                     io.Vae.Output(display_name="VAE"), io.String.Output(display_name="report"),
+            outputs=[io.Model.Output(display_name="MODEL",
+                                     tooltip="A managed clone of the diffusion model: on the GPU only while sampling."),
+                     io.Clip.Output(display_name="CLIP",
+                                    tooltip="A managed clone of the text encoder: on the GPU only while encoding."),
+                     io.Vae.Output(display_name="VAE",
+                                   tooltip="A managed clone of the VAE: on the GPU only while decoding."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP),
                      io.Model.Output(display_name="MODEL_2",
                                      tooltip="The managed clone of model_2 (without model_2, a node using it stops "
                                              "with a message saying so).")],

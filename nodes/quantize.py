@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.quant import quantize_node, save_path_problem
 
 PLAN = io.Custom("LEVERS_PLAN")
@@ -22,9 +23,9 @@ class LeversQuantizeDiT(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="Diffusion model from a loader (not modified)."),
                 io.Combo.Input("format", options=["auto", "fp8_e4m3fn", "int8", "nf4"], default="auto",
-                               tooltip="auto: the plan's quantized format; fp8_e4m3fn when the plan keeps 16-bit or no plan is "
-                                       "connected (the node always quantizes: to follow a 16-bit plan, leave it out). "
-                                       "fp8 ~halves the weights with "
+                               tooltip="auto: the plan's quantized format; a plan that keeps 16-bit passes the model "
+                                       "through unchanged (with a save_path: fp8_e4m3fn); no plan: fp8_e4m3fn. A format "
+                                       "set here wins over the plan (the report says so). fp8 ~halves the weights with "
                                        "near-invisible loss; int8 (torchao) similar size; nf4 (bitsandbytes) ~quarter "
                                        "size with visible loss."),
                 io.Combo.Input("granularity", options=["auto", "per_tensor", "per_row", "per_block"], default="auto",
@@ -58,7 +59,9 @@ class LeversQuantizeDiT(io.ComfyNode):
                                        "activation). quantize: in the chosen format too, when only that fits the "
                                        "card. auto: the plan's choice, else keep."),
             ],
-            outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(display_name="MODEL", tooltip="A new, quantized model (or the input, passed "
+                                                                   "through, when the report says so)."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP)],
         )
 
     @classmethod

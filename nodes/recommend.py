@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.recommend import machine_for_comfy, measure
 from ..core.plan import Workload, plan
 from ..core.presets import PRESETS
@@ -51,7 +52,9 @@ class LeversRecommend(io.ComfyNode):
                                      "activations and step time grow. 0 for text-to-image; ignored, with a note, "
                                      "for models that take none (SDXL, SD3, HunyuanVideo, HunyuanImage, Chroma)."),
             ],
-            outputs=[PLAN.Output(display_name="plan"), io.String.Output(display_name="report")],
+            outputs=[PLAN.Output(display_name="plan",
+                                 tooltip="The plan: connect it to the other Levers nodes, which follow it on auto."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP)],
         )
 
     @classmethod

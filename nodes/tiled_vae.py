@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
+from . import REPORT_TIP
 from ..bridge.vae import TiledDecodeSettings, tiled_decode
 
 PLAN = io.Custom("LEVERS_PLAN")
@@ -61,7 +62,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                                  tooltip="Unload the diffusion model and text encoder through ComfyUI's memory "
                                          "manager before decoding (they reload on the next run)."),
             ],
-            outputs=[io.Image.Output(display_name="IMAGE"), io.String.Output(display_name="report")],
+            outputs=[io.Image.Output(display_name="IMAGE",
+                                     tooltip="The decoded images (video frames in order), as VAEDecode gives them."),
+                     io.String.Output(display_name="report", tooltip=REPORT_TIP)],
         )
 
     @classmethod

@@ -647,6 +647,8 @@ def test_examples_are_shipped_in_both_formats():
     ui = {p.stem for p in _shipped()}
     api = {p.stem for p in (ROOT / "example_workflows" / "api").glob("*.json")}
     assert len(ui) >= 4 and ui == api
+    # the template browser's card image for each (ComfyUI's frontend asks for <name>.jpg beside the workflow)
+    assert ui == {p.stem for p in (ROOT / "example_workflows").glob("*.jpg")}
 
 
 @pytest.mark.parametrize("path", _shipped(), ids=lambda p: p.stem)

@@ -304,13 +304,15 @@ def flux_16gb(oi: dict) -> Graph:
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=1024, height=1024, steps=28, goal="speed",
         vram_gb=0.0))
-    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: fp8 weights", **levers_inputs(
-        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
+    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: weights in the plan's format", **levers_inputs(
+        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="auto"))
     phase = g.add("LeversPhaseOffload", 2, _title="Levers: one phase on the GPU at a time", **levers_inputs(
         oi, "LeversPhaseOffload", model=quant.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         plan=rec.out("plan")))
+    prefetch = g.add("LeversGroupPrefetch", 2, _title="Levers: stream what does not fit", **levers_inputs(
+        oi, "LeversGroupPrefetch", model=_first_out(phase, "MODEL", quant), plan=rec.out("plan")))
     clip_out = _first_out(phase, "CLIP", clip)
-    model_out = _first_out(phase, "MODEL", quant)
+    model_out = _first_out(prefetch, "MODEL", quant)
     vae_out = _first_out(phase, "VAE", vae)
     pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=FLUX_PROMPT, clip=clip_out)
     guide = g.add("FluxGuidance", 3, conditioning=pos.out(0), guidance=3.5)
@@ -322,19 +324,21 @@ def flux_16gb(oi: dict) -> Graph:
     decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae_out, plan=rec.out("plan")))
     save = g.add("SaveImage", 6, images=decode.out("IMAGE"), filename_prefix="levers/flux1-dev")
-    reports = _report_previews(g, 7, rec, quant, phase, decode)
+    reports = _report_previews(g, 7, rec, quant, phase, prefetch, decode)
     g.note(1, f"""FLUX.1-dev (12 B parameters, 24 GB of bf16 weights) on a 16 GB card.
 
-The plan node reads the loaded models, your GPU and your resolution and picks the levers; with goal = speed on a 16 GB card:
-- fp8 weights for the diffusion model: 12 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms and the final layer stay 16-bit);
+The plan node reads the loaded models, your GPU, your RAM and your resolution and picks the levers; every Levers node follows it. With goal = speed on a 16 GB card:
+- fp8 weights for the diffusion model (QuantizeDiT, format auto): 12 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms, the modulation linears and the final layer stay 16-bit);
 - phase offload: the T5 text encoder (9.5 GB) is on the GPU only while the prompt is encoded, the diffusion model only while sampling, the VAE only while decoding;
+- group prefetch streams the blocks that do not fit (with 64 GB of RAM the plan keeps about 47 of 57 resident; nothing streams when all fit);
 - tiled decode: tile size chosen so the decode fits next to what is still resident.
+If the plan's text encoder is fp8, load t5xxl_fp8_e4m3fn_scaled instead of t5xxl_fp16 in the DualCLIPLoader.
 
-Change: width/height/steps on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 16) to plan for another card. goal = balanced or quality keeps 16-bit weights and streams blocks instead (replace QuantizeDiT with a GroupPrefetch after PhaseOffload), fit takes the smallest footprint. format = auto on QuantizeDiT takes the plan's quantized format (fp8 when the plan keeps 16-bit). The report nodes on the right show the plan and what each lever did.
+Change: width/height/steps on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 16) to plan for another card. goal = balanced or quality keeps 16-bit weights (QuantizeDiT then passes the model through) and streams more blocks; fit takes the smallest footprint. The report nodes on the right show the plan and what each lever did.
 
 Files: flux1-dev.safetensors in models/diffusion_models, t5xxl_fp16 + clip_l in models/text_encoders, ae.safetensors in models/vae.""")
     g.group("1. Load (stock loaders, your files)", unet, clip, vae)
-    g.group("2. Levers", quant, phase)
+    g.group("2. Levers", quant, phase, prefetch)
     g.group("3. Sample", pos, guide, latent, sampler, *([neg] if neg is not pos else []))
     g.group("4. Decode and save", decode, save)
     g.group("Reports", *reports)
@@ -350,8 +354,8 @@ def wan_12gb(oi: dict) -> Graph:
         oi, "LeversRecommend", model=unet.out("MODEL"), clip=clip.out("CLIP"), vae=vae.out("VAE"),
         model_preset="auto", width=832, height=480, frames=33, length=33, steps=30,
         goal="balanced", vram_gb=0.0))
-    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: fp8 weights", **levers_inputs(
-        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="fp8_e4m3fn"))
+    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: weights in the plan's format", **levers_inputs(
+        oi, "LeversQuantizeDiT", model=unet.out("MODEL"), plan=rec.out("plan"), format="auto"))
     prefetch = g.add("LeversGroupPrefetch", 2, _title="Levers: stream blocks from pinned RAM", **levers_inputs(
         oi, "LeversGroupPrefetch", model=quant.out("MODEL"), plan=rec.out("plan")))
     model_out = _first_out(prefetch, "MODEL", quant)
@@ -370,11 +374,11 @@ def wan_12gb(oi: dict) -> Graph:
     g.note(1, f"""Wan 2.1 14B text-to-video (832x480, 33 frames) on a 12 GB card.
 
 14 B parameters are 28 GB in bf16 and still 14 GB in fp8: more than the card. So:
-- fp8 weights halve the bytes that have to move;
-- group prefetch keeps the transformer blocks in pinned host RAM and streams them to the GPU a group ahead of compute, on a side stream, so the copy hides behind the math; only a few blocks are on the GPU at any time;
+- group prefetch keeps the transformer blocks in pinned host RAM and streams them to the GPU a group ahead of compute, on a side stream; at video lengths the copy hides behind the math, so the weights can stay bf16;
+- QuantizeDiT (format auto) follows the plan: with 64 GB of RAM the plan keeps bf16 (37 GB of host copies) and the node passes the model through; with 32 GB it plans fp8 (half the bytes to hold and move) and the node quantizes;
 - the video VAE decodes in temporal tiles (chunks of latent frames, carried causal cache) and spatial tiles sized to what is free.
 
-Needs ~20 GB of free host RAM for the pinned weights. On Windows/WSL, where pinning is limited, the plan streams from pageable memory (slower) and says so in its report.
+On Windows/WSL, where pinning is limited, the plan streams from pageable memory (slower) and says so in its report.
 
 Change: width/height/length on the plan node and on the latent (length = 4k+1 frames). vram_gb = 0 probes this GPU; set it to plan for another card. More frames -> more activation memory -> fewer blocks resident.""")
     g.group("1. Load", unet, clip, vae)
@@ -448,10 +452,12 @@ def sdxl_8gb(oi: dict) -> Graph:
     rec = g.add("LeversRecommend", 1, _title="Levers: plan for this GPU", **levers_inputs(
         oi, "LeversRecommend", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         model_preset="auto", width=1024, height=1024, steps=30, goal="quality", vram_gb=0.0))
+    quant = g.add("LeversQuantizeDiT", 2, _title="Levers: weights in the plan's format", **levers_inputs(
+        oi, "LeversQuantizeDiT", model=ckpt.out("MODEL"), plan=rec.out("plan"), format="auto"))
     phase = g.add("LeversPhaseOffload", 2, _title="Levers: one phase on the GPU at a time", **levers_inputs(
-        oi, "LeversPhaseOffload", model=ckpt.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
+        oi, "LeversPhaseOffload", model=quant.out("MODEL"), clip=ckpt.out("CLIP"), vae=ckpt.out("VAE"),
         plan=rec.out("plan")))
-    model_out = _first_out(phase, "MODEL", ckpt)
+    model_out = _first_out(phase, "MODEL", quant)
     clip_out = _first_out(phase, "CLIP", ckpt)
     vae_out = _first_out(phase, "VAE", ckpt)
     pos = g.add("CLIPTextEncode", 3, _title="Prompt", text=SDXL_PROMPT, clip=clip_out)
@@ -463,17 +469,17 @@ def sdxl_8gb(oi: dict) -> Graph:
     decode = g.add("LeversTiledVAEDecode", 5, _title="Levers: decode in tiles that fit", **levers_inputs(
         oi, "LeversTiledVAEDecode", samples=sampler.out(0), vae=vae_out, plan=rec.out("plan")))
     save = g.add("SaveImage", 6, images=decode.out("IMAGE"), filename_prefix="levers/sdxl")
-    reports = _report_previews(g, 7, rec, phase, decode)
+    reports = _report_previews(g, 7, rec, quant, phase, decode)
     g.note(1, """SDXL at 1024x1024 on a card with 8 GB or less (6 GB and 4 GB work too, slower).
 
 SDXL's UNet is 2.6 B parameters (5 GB in fp16), its two text encoders 0.8 B, its VAE is small but its 1024x1024 decode needs several GB of activations: the usual OOM is at the very end, in VAE decode.
 - phase offload: the text encoders leave the GPU after encoding, the UNet after sampling;
 - tiled decode: the tile size is fitted to the memory that is actually free, so decode never OOMs;
-- no quantization: goal = quality keeps fp16 weights because they fit once the phases are split. On 4 GB set goal = fit and the plan adds fp8 weights.
+- no quantization: goal = quality keeps fp16 weights because they fit once the phases are split, so QuantizeDiT (format auto) passes the model through. On 4 GB set goal = fit: the plan picks nf4 weights (bitsandbytes), which QuantizeDiT then applies.
 
 Change: width/height on the plan node and on the latent. vram_gb = 0 probes this GPU; set it (e.g. 6) to plan for a smaller card.""")
     g.group("1. Load", ckpt)
-    g.group("2. Levers", phase)
+    g.group("2. Levers", quant, phase)
     g.group("3. Sample", pos, neg, latent, sampler)
     g.group("4. Decode and save", decode, save)
     g.group("Reports", *reports)

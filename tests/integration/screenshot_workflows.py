@@ -1,4 +1,5 @@
-"""Render each example workflow in ComfyUI's real frontend and save a PNG into docs/images/.
+"""Render each example workflow in ComfyUI's real frontend and save a PNG into docs/images/, and a small JPEG
+beside the workflow (the template browser's card image).
 
     COMFYUI_PATH=/path/to/ComfyUI COMFY_PYTHON=/path/to/comfy-venv/bin/python \
         python tests/integration/screenshot_workflows.py   # a Python with playwright
@@ -87,10 +88,25 @@ def main() -> int:
                 target = OUT / f"{wf.stem}.png"
                 page.screenshot(path=str(target))
                 print(f"wrote {target.relative_to(ROOT)} (bounds {box})")
+                thumbnail(target, wf.with_suffix(".jpg"))
             browser.close()
     finally:
         server.stop()
     return 0
+
+
+def thumbnail(png: Path, jpg: Path, width: int = 640) -> None:
+    """The template browser's card image: ComfyUI's frontend asks for example_workflows/<name>.jpg."""
+    try:
+        from PIL import Image
+    except ImportError:
+        print(f"skipped {jpg.name}: Pillow is not installed (pip install pillow)")
+        return
+    with Image.open(png) as im:
+        im = im.convert("RGB")
+        im.thumbnail((width, width))
+        im.save(jpg, "JPEG", quality=82, optimize=True)
+    print(f"wrote {jpg.relative_to(ROOT)} ({jpg.stat().st_size // 1024} KiB)")
 
 
 if __name__ == "__main__":

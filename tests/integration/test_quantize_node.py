@@ -400,3 +400,36 @@ def test_save_path_is_checked_before_any_work_and_subfolders_are_made(node, tiny
         assert "levers_test_sub/tiny_int8.safetensors" in folder_paths.get_filename_list("diffusion_models")
     finally:
         shutil.rmtree(sub, ignore_errors=True)
+
+
+def test_format_auto_follows_a_16_bit_plan_and_an_explicit_format_says_it_differs(node, tiny_wan, base, comfy_env):
+    """Found in review: format = auto on a plan that keeps 16-bit quantized to fp8 anyway, so a graph wired to the
+    plan ran fp8 while the plan said bf16. Now it passes the model through and says so; with a save_path it still
+    writes fp8 (a file was asked for). A format set on the node wins, with a note when the plan says otherwise."""
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+    from comfyui_levers.core.types import Precision
+
+    model, _ = base
+    spec, wl = get_preset("wan2.1-14b"), Workload(832, 480, 33)
+    keeps = plan(spec, wl, synthetic_machine(vram_gb=80, ram_gb=256, h2d_gbps=25), "quality")
+    assert keeps.diffusion_model.precision is Precision.BF16
+    out, report = run(node, model, format="auto", plan=keeps)
+    assert out is model and report.startswith("QuantizeDiT: passed through unchanged"), report
+    assert "the plan keeps the diffusion model in bf16" in report
+    path = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_auto_save.safetensors")
+    if os.path.exists(path):
+        os.unlink(path)
+    try:
+        out, report = run(node, model, format="auto", plan=keeps, save_path=path, quality_check=False)
+        assert out is not model and os.path.exists(path) and "saving fp8_e4m3fn" in report, report
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    out, report = run(node, model, format="int8", plan=keeps, quality_check=False)
+    assert out is not model and "format int8 (set on the node) differs from the plan's bf16" in report, report
+    small = plan(spec, wl, synthetic_machine(vram_gb=8, ram_gb=24, h2d_gbps=25), "fit")
+    assert small.diffusion_model.precision.is_quantized
+    out, report = run(node, model, format="auto", plan=small, quality_check=False)
+    assert out is not model and f"format auto: {small.diffusion_model.precision} from the plan" in report, report
