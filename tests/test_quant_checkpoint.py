@@ -134,7 +134,7 @@ def test_the_saved_file_follows_the_umask_like_any_saved_model(src, tmp_path):
 def test_settings_that_keep_every_layer_are_named_instead_of_the_architecture(src, tmp_path):
     path, _ = src
     out = tmp_path / "none.safetensors"
-    with pytest.raises(ConfigError, match=r"keep-first-blocks.*They keep every layer.*nothing is quantized"):
+    with pytest.raises(ConfigError, match=r"keep_first_blocks=200 is not valid.*they keep every layer.*nothing is quantized"):
         ckpt.quantize_file(path, str(out), QuantConfig("fp8", keep_first_blocks=200))
     assert not out.exists()
 
@@ -375,3 +375,17 @@ def test_quantize_progress_without_tqdm_is_one_line_per_update_when_logged(monke
         update(done, 40, f"t{done}")
     err = capsys.readouterr().err          # captured: not a terminal
     assert "\r" not in err and err.splitlines()[0] == "quantize 2/40" and err.splitlines()[-1] == "quantize 40/40"
+
+
+def test_cli_errors_name_the_options_and_out_must_be_safetensors(src, tmp_path, capsys):
+    """Found in review: the command's errors named config fields (block_size=, keep_first_blocks=) and printed the
+    keep/skip settings as a Python tuple; 'out.txt' was accepted, and ComfyUI's loaders would not list it."""
+    path, _ = src
+    assert cli_main(["quantize", path, str(tmp_path / "o.safetensors"), "--format", "nf4", "--block-size", "0"]) == 2
+    assert "--block-size=0 is not valid" in capsys.readouterr().err
+    assert cli_main(["quantize", path, str(tmp_path / "o.safetensors"), "--format", "fp8",
+                     "--keep-first-blocks", "999"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-first-blocks=999 is not valid" in err and "(999" not in err, err
+    assert cli_main(["quantize", path, str(tmp_path / "out.txt"), "--format", "fp8"]) == 2
+    assert "expected a .safetensors file name" in capsys.readouterr().err and not (tmp_path / "out.txt").exists()

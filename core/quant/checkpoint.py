@@ -250,11 +250,13 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
                               f"its block weights are already {', '.join(coded)} codes; quantize the bf16 original "
                               "(quantizing codes again only adds rounding)")
         if not targets and (config.keep_first_blocks or config.keep_last_blocks or config.extra_skip):
-            raise ConfigError("--keep-first-blocks / --keep-last-blocks / --extra-skip",
-                              (config.keep_first_blocks, config.keep_last_blocks, ", ".join(config.extra_skip)),
-                              "settings that leave some layer to quantize",
-                              "They keep every layer of " + os.path.basename(src) + ("; " + "; ".join(plan.notes)
-                                                                                       if plan.notes else ""))
+            given = {"keep_first_blocks": config.keep_first_blocks, "keep_last_blocks": config.keep_last_blocks,
+                     "extra_skip": ", ".join(config.extra_skip)}
+            field = next(k for k, v in given.items() if v)
+            others = ", ".join(f"{k}={v!r}" for k, v in given.items() if k != field)
+            raise ConfigError(field, given[field], "settings that leave some layer to quantize",
+                              f"With {others} they keep every layer of {os.path.basename(src)}"
+                              + ("; " + "; ".join(plan.notes) if plan.notes else "") + ".")
         if not targets:
             raise ConfigError("arch", plan.arch, "an architecture whose census finds weights to quantize",
                               f"nothing in {os.path.basename(src)} matched the {plan.arch} census "

@@ -67,6 +67,20 @@ def _progress_bar():
     return update
 
 
+# the QuantConfig field each error names, as the option the command line takes
+FLAGS = {"format": "--format", "granularity": "--granularity", "block_size": "--block-size", "arch": "--arch",
+         "keep_first_blocks": "--keep-first-blocks", "keep_last_blocks": "--keep-last-blocks",
+         "extra_skip": "--extra-skip", "quantize_modulation": "--quantize-modulation"}
+
+
+def _as_flags(exc: Exception) -> str:
+    """An error's text with the config fields it names written as the command-line options (``--block-size=0``)."""
+    text = str(exc)
+    for name, flag in FLAGS.items():
+        text = text.replace(f"{name}=", f"{flag}=")
+    return text
+
+
 def _check_paths(args) -> None:
     """IN and OUT problems, before the format's backend is imported (torchao prints library-loading
     warnings on import, which would bury a one-line error about a mistyped path)."""
@@ -86,6 +100,9 @@ def _check_paths(args) -> None:
         raise ConfigError("OUT", args.output, "a path different from IN", "Write to a new file, then rename it "
                           "yourself.")
     check_output_path(args.output, args.force)
+    if not args.output.endswith((".safetensors", ".sft")):
+        raise ConfigError("OUT", args.output, "a .safetensors file name", "ComfyUI's loaders list .safetensors files, "
+                          f"e.g. {os.path.splitext(args.output)[0]}.safetensors.")
 
 
 def _os_error_text(exc: OSError, args) -> str:
@@ -112,7 +129,7 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     except (LeversError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_as_flags(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:          # a read-only or full disk, a folder without write permission
         print(f"error: {_os_error_text(exc, args)}", file=sys.stderr)
