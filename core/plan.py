@@ -822,7 +822,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
 def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     """No GPU: everything computes on the CPU. Weights may be stored smaller than fp32 (ComfyUI casts
     bf16/fp8 weights per op on the CPU), which is the only lever that matters for host RAM."""
-    avail = machine.ram_available_bytes
+    avail = host_room(machine)          # what the OS and ComfyUI's own process leave of the available RAM
     extra_need = act + vae_decode_bytes(spec, wl)
     chosen = None
     stored = stored_precision(spec)
@@ -843,7 +843,8 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     if p is not Precision.FP32:
         notes.append(f"weights stored as {p} to fit host RAM, cast to fp32 per layer while computing")
     if avail is not None and not fits:
-        notes.append(f"host RAM {avail / GiB:.1f} GiB < {need / GiB:.1f} GiB needed even with {p} weights: close "
+        notes.append(f"host RAM {avail / GiB:.1f} GiB free for the run (of {machine.ram_available_bytes / GiB:.1f} "
+                     f"available) < {need / GiB:.1f} GiB needed even with {p} weights: close "
                      "other programs, lower the resolution/frames or batch, or use a machine with more RAM or a GPU")
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, stored or p, "cpu", Residency.CPU, False, dit_b, 0),
              ComponentPlan(Component.TEXT_ENCODER, p, "cpu", Residency.CPU, False, te_b, 0),

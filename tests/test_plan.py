@@ -994,3 +994,12 @@ def test_the_fit_goal_takes_a_plan_that_does_not_stream_when_one_fits():
     spec = get_preset("hidream-i1")
     p = plan(spec, Workload(1024, 1024, 1, spec.default_steps), machine(12), goal="fit")
     assert p.fits and p.diffusion_model.residency is not Residency.STREAMED
+
+
+def test_a_cpu_plan_leaves_the_same_room_for_the_os():
+    """The CPU plan compared its RAM need with all of the available RAM while the GPU plans kept 8 % free."""
+    wl = Workload(1024, 1024)
+    need = plan(get_preset("sdxl"), wl, machine(0, ram=512)).workload["host_bytes_needed"]
+    ram = (need + GiB) / GiB                      # fits the available RAM, not what the OS leaves of it
+    p = plan(get_preset("sdxl"), wl, machine(0, ram=ram))
+    assert p.diffusion_model.precision is not Precision.FP32, p.notes
