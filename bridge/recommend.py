@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -312,13 +313,54 @@ def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dic
     return upd, notes
 
 
-def machine_for_comfy(base: Machine | None = None) -> Machine:
+def host_held_bytes(modules) -> int:
+    """Host RAM that ``modules`` and Levers' own page-locked host copies hold now, in memory the OS does not count as
+    available: each storage once, read-only file mappings left out (ComfyUI 0.33's memory-mapped weights and GGUF
+    files are page cache, which the OS counts as available already)."""
+    from ..core.residency.transport import HostMaps, pinned_ranges_by_levers
+
+    maps = HostMaps.read()
+    held: dict[int, int] = {}
+    for module in modules:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            inner = subclass.leaves(t)
+            for x in ([v for _, v in inner] if inner else [subclass.plain(t)]):
+                if x.device.type != "cpu":
+                    continue
+                storage = x.untyped_storage()
+                ptr, n = storage.data_ptr(), storage.nbytes()
+                if ptr and ptr not in held and maps.writable(ptr, n) is not False:
+                    held[ptr] = n
+    # masters PhaseOffload or GroupPrefetch keep while the model is on the GPU: the plan's host copies too
+    held.update({start: n for start, n in pinned_ranges_by_levers() if start not in held})
+    return sum(held.values())
+
+
+def connected_modules(model=None, clip=None, vae=None, model_2=None) -> list[torch.nn.Module]:
+    """The torch modules behind Recommend's MODEL / CLIP / VAE inputs (those connected)."""
+    found = [getattr(model, "model", None), getattr(model_2, "model", None),
+             getattr(clip, "cond_stage_model", None), getattr(vae, "first_stage_model", None)]
+    return [m for m in found if isinstance(m, torch.nn.Module)]
+
+
+def machine_for_comfy(base: Machine | None = None, modules=()) -> Machine:
     """The probed machine, with ComfyUI's device view and mode folded in. A ComfyUI running with
-    --cpu plans for the CPU even when a GPU exists."""
+    --cpu plans for the CPU even when a GPU exists. The RAM the connected ``modules`` (and Levers' host copies)
+    hold now is added back to the available RAM: the plan counts them among the host copies it needs, and without
+    this a plan made after the loaders ran (or after a run left masters pinned) counted them twice."""
     base = base or probe()
     facts = comfy_mode()
     dev = comfy_device_facts()
     gpus = base.gpus
     if dev.get("is_cpu"):
         gpus = ()
-    return dataclasses.replace(base, gpus=gpus, comfyui={**facts, **{f"device_{k}": v for k, v in dev.items()}})
+    notes = list(base.notes)
+    avail = base.ram_available_bytes
+    held = host_held_bytes(modules)
+    if avail is not None and held:
+        avail = min(base.ram_total_bytes or avail + held, avail + held)
+        notes.append(f"host RAM: {base.ram_available_bytes / GiB:.1f} GiB available now, planned with "
+                     f"{avail / GiB:.1f} GiB: the connected models and Levers' host copies already hold "
+                     f"{held / GiB:.1f} GiB of what the plan counts")
+    return dataclasses.replace(base, gpus=gpus, ram_available_bytes=avail, notes=tuple(notes),
+                               comfyui={**facts, **{f"device_{k}": v for k, v in dev.items()}})

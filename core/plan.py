@@ -565,7 +565,9 @@ def vram_withheld(machine: Machine) -> tuple[int, list[str]]:
             withheld += others
             notes.append(f"{others / GiB:.2f} GiB of VRAM was in use by other programs when the card was probed "
                          "(a display, a browser, another process): planned without it")
-    reserve = machine.comfyui.get("extra_reserved_vram_bytes")
+    # only a --reserve-vram the user gave: ComfyUI's own default (more on Windows with a big card) is in the overhead
+    reserve = machine.comfyui.get("extra_reserved_vram_bytes") if machine.comfyui.get("reserve_vram_gb") is not None \
+        else None
     default = COMFY_DEFAULT_RESERVE.get(machine.os, COMFY_DEFAULT_RESERVE_ELSEWHERE)
     if reserve and reserve > default:
         withheld += reserve - default
@@ -731,6 +733,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                 "no plan keeping them 16-bit fits this card and its host RAM" if t is None else
                 "the smallest footprint (goal 'fit'); QuantizeDiT's modulation = keep keeps them 16-bit in a plan "
                 "that takes more memory" if goal is Goal.FIT else
+                "the plans keeping them 16-bit need a lossier format here (goal 'quality'); QuantizeDiT's "
+                "modulation = keep keeps them" if goal is Goal.QUALITY else
                 f"the fastest plan keeping them 16-bit takes {t - c.total_seconds:.2f} s more per generation "
                 f"(goal '{goal}'); QuantizeDiT's modulation = keep keeps them"))
         if c.dit.precision is Precision.FP8_E4M3FN:
@@ -897,6 +901,8 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
                          f"smallest tiles {vae_peak / GiB:.1f} GiB)")
             # the smallest tiles barely shrink with the image: the VAE on the CPU is what fits
             fixes.append("decode on the CPU (PhaseOffload's vae_device = cpu, TiledVAEDecode after it; slow)")
+    if withheld and max(sample, decode) <= budget + withheld:
+        fixes.insert(0, "close the programs holding VRAM (or lower --reserve-vram), see the notes above")
     fixes.append("use a bigger card")
     advice = ", or ".join(fixes)
     notes.append(f"does not fit {card} ({max(0, budget) / GiB:.1f} GiB usable) even with {p} weights"
@@ -907,7 +913,7 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
              ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
              ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w, tiling=tiling))
     peak = max(sample, decode) + OVERHEAD_BYTES
-    return Plan(model=spec.name, goal=goal, budget_bytes=gpu.total_bytes - OVERHEAD_BYTES - withheld,
+    return Plan(model=spec.name, goal=goal, budget_bytes=max(0, gpu.total_bytes - OVERHEAD_BYTES - withheld),
                 vram_bytes=gpu.total_bytes, components=comps, activation_bytes=act,
                 vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=OVERHEAD_BYTES,
                 predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,

@@ -39,7 +39,7 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
                      + (f", tiled {gib(plan.vae.tiling.peak_bytes)}" if plan.vae.tiling else ""))
         if plan.fits:
             prec = wl.get("predicted_precision_seconds") or 0.0
-            lines.append(f"extra seconds per generation from moving weights: {plan.predicted_extra_seconds:.2f} s"
+            lines.append(f"extra seconds per generation from these levers: {plan.predicted_extra_seconds:.2f} s"
                          + (f"; {plan.diffusion_model.precision} compute {prec:+.2f} s against 16-bit" if prec else "")
                          + f" (predicted {wl.get('predicted_step_seconds')} s/step, "
                            f"~{wl.get('predicted_total_seconds')} s total)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from . import REPORT_TIP
-from ..bridge.recommend import machine_for_comfy, measure
+from ..bridge.recommend import connected_modules, machine_for_comfy, measure
 from ..core.plan import Workload, plan
 from ..core.presets import PRESETS
 from ..core.probe import synthetic_machine
@@ -61,7 +61,7 @@ class LeversRecommend(io.ComfyNode):
     def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
                 model=None, clip=None, vae=None, model_2=None, reference_images=0) -> io.NodeOutput:
         spec, notes = measure(model, clip, vae, preset=model_preset, model_2=model_2)
-        machine = machine_for_comfy()
+        machine = machine_for_comfy(modules=connected_modules(model, clip, vae, model_2))
         if vram_gb or ram_gb:
             machine = synthetic_machine(vram_gb or None, ram_gb or None, None, base=machine)
         result = plan(spec, Workload(width=width, height=height, frames=frames, steps=steps, batch=batch,

@@ -166,3 +166,31 @@ def test_a_second_input_that_is_not_a_model_names_model_2():
 
     with pytest.raises(IncompatibleInput, match="model_2"):
         measure(_patcher(_flux()), model_2="a string")
+
+
+def test_the_ram_the_connected_models_hold_is_added_back_to_the_available_ram(monkeypatch, read_only):
+    """Found in review: inside ComfyUI the available RAM is read when Recommend runs, after the loaders read the models
+    into RAM (and after a run left PhaseOffload's masters pinned), while the plan counts those very bytes among the
+    host copies it needs: they were counted twice, and a re-run could plan another precision. Their bytes are added
+    back; weights in a read-only file mapping (0.33's memory-mapped loader, GGUF) are page cache the OS already
+    counts as available, so they are not."""
+    import dataclasses
+
+    from comfyui_levers.bridge import recommend as R
+    from comfyui_levers.core.probe import GiB, synthetic_machine
+    from comfyui_levers.core.residency import transport
+
+    base = dataclasses.replace(synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25), ram_available_bytes=10 * GiB)
+    dit, te = nn.Linear(256, 256), nn.Linear(128, 128)
+    held = sum(t.nbytes for m in (dit, te) for t in m.parameters())
+    m = R.machine_for_comfy(base, modules=[dit, te, dit])             # a module connected twice counts once
+    assert m.ram_available_bytes == 10 * GiB + held
+    assert any("already hold" in n for n in m.notes)
+    mapped = nn.Linear(256, 256)
+    mapped.weight = nn.Parameter(read_only(mapped.weight.data), requires_grad=False)
+    m = R.machine_for_comfy(base, modules=[mapped])
+    assert m.ram_available_bytes == 10 * GiB + mapped.bias.nbytes      # the mapped weight is page cache
+    # masters Levers keeps pinned while the model is on the GPU count too
+    monkeypatch.setattr(transport, "pinned_ranges_by_levers", lambda: [(12345, 3 * GiB)])
+    assert R.machine_for_comfy(base).ram_available_bytes == 13 * GiB
+    assert R.machine_for_comfy(base, modules=[]).ram_available_bytes <= base.ram_total_bytes

@@ -399,6 +399,11 @@ def pinned_bytes_by_levers() -> int:
     return sum(n for n, _ in _REGISTERED.values())
 
 
+def pinned_ranges_by_levers() -> list[tuple[int, int]]:
+    """(start, nbytes) of each host range Levers page-locked."""
+    return [(start, _REGISTERED[start][0]) for start in _STARTS]
+
+
 # --- recording ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -100,7 +100,13 @@ def test_comfyuis_reserve_vram_is_left_alone(comfy_env, monkeypatch):
 
     mm = comfy_env.mm
     assert comfy_mode()["extra_reserved_vram_bytes"] == mm.extra_reserved_memory()
-    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 4 * 1024 ** 3)
+    # ComfyUI's own default is within the overhead: nothing withheld until a --reserve-vram is given
+    m = dataclasses.replace(synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25), comfyui=comfy_mode())
+    assert plan(get_preset("flux1-dev"), Workload(1024, 1024), m).withheld_bytes == 0
+    import comfy.cli_args
+
+    monkeypatch.setattr(comfy.cli_args.args, "reserve_vram", 4.0)
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 4 * 1024 ** 3)      # what ComfyUI sets from it at import
     facts = comfy_mode()
     assert facts["extra_reserved_vram_bytes"] == 4 * 1024 ** 3
     m = dataclasses.replace(synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25), comfyui=facts)
