@@ -72,6 +72,14 @@ class ServerUnreachable(LeversError, ConnectionError):
             f"--port 8188`) or point --server / COMFYUI_URL at the running server.")
 
 
+class HTTPStatusError(LeversError, RuntimeError):
+    """The server answered a request with an error status."""
+
+    def __init__(self, request: str, status: int, payload: bytes):
+        self.request, self.status = request, status
+        super().__init__(f"{request} answered HTTP {status}: {payload[:300].decode(errors='replace')}")
+
+
 class BadServerURL(LeversError, ValueError):
     """--server / COMFYUI_URL is not an http(s) URL a client can connect to (nothing was contacted)."""
 
@@ -858,7 +866,7 @@ class ComfyClient:
     def get_json(self, path: str):
         status, payload = self._request("GET", path)
         if status != 200:
-            raise LeversError(f"GET {path} answered HTTP {status}: {payload[:300].decode(errors='replace')}")
+            raise HTTPStatusError(f"GET {path}", status, payload)
         try:
             return json.loads(payload)
         except json.JSONDecodeError:
@@ -869,20 +877,24 @@ class ComfyClient:
             info = self.get_json("/object_info")
         except ServerUnreachable:
             raise
-        except LeversError as exc:    # a web server, but not ComfyUI (or ComfyUI under another path)
-            raise ServerUnreachable(self.server, f"{exc}; is this a ComfyUI server?") from None
+        except HTTPStatusError as exc:
+            if exc.status == 404:       # a web server, but not ComfyUI (or ComfyUI under another path)
+                raise ServerUnreachable(self.server, f"{exc}; is this a ComfyUI server?") from None
+            raise                       # ComfyUI answering with an error (a broken node pack, a proxy's 401/403)
         if not isinstance(info, dict):
             raise ServerUnreachable(self.server, "GET /object_info is not ComfyUI's node list; is this a ComfyUI "
                                                  "server?")
         return info
 
-    def submit(self, api: dict, client_id: str) -> tuple[str, dict]:
-        """Queue ``api``; returns (prompt id, node_errors).
+    def submit(self, api: dict, client_id: str, prompt_id: str | None = None) -> tuple[str, dict]:
+        """Queue ``api``; returns (prompt id, node_errors). ``prompt_id`` (a UUID) names the prompt before it is sent,
+        so an interrupt while the request is in flight can still take it out of the queue.
 
         ComfyUI queues a prompt when at least one output passes its validation and answers 200 with
         the failures of the others in ``node_errors`` (those outputs are skipped); all failing is a 400.
         """
-        status, payload = self._request("POST", "/prompt", {"prompt": api, "client_id": client_id})
+        body = {"prompt": api, "client_id": client_id, **({"prompt_id": prompt_id} if prompt_id else {})}
+        status, payload = self._request("POST", "/prompt", body)
         try:
             answer = json.loads(payload)
         except json.JSONDecodeError:
@@ -1142,15 +1154,16 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
             _await_registration(ws)
         except (OSError, WebSocketClosed):
             ws = None  # fall back to polling /history
+    prompt_id = str(uuid.uuid4())     # ours, so a Ctrl-C while /prompt is in flight can still cancel it
     try:
-        prompt_id, node_errors = client.submit(api, client_id)
-        deadline = None if not timeout else time.monotonic() + timeout
         try:
+            prompt_id, node_errors = client.submit(api, client_id, prompt_id)
+            deadline = None if not timeout else time.monotonic() + timeout
             status, error = _follow(client, ws, prompt_id, progress, deadline, poll_interval)
         except KeyboardInterrupt:
             try:
                 done = client.cancel(prompt_id)
-            except ServerUnreachable:
+            except (ServerUnreachable, KeyboardInterrupt):
                 done = f"could not reach ComfyUI to stop prompt {prompt_id}: it may still run"
             raise Interrupted(done) from None
     finally:

@@ -498,7 +498,7 @@ class FakeComfy:
                                            "type": "value_not_in_list", "message": "Value not in list",
                                            "details": "unet_name: 'tiny.safetensors' not in []"}],
                                            "class_type": "UNETLoader"}}}, 400)
-                pid = str(uuid.uuid4())
+                pid = body.get("prompt_id") or str(uuid.uuid4())     # ComfyUI takes a client's id
                 skipped = set(fake.node_errors) | {o for e in fake.node_errors.values()
                                                    for o in e.get("dependent_outputs", [])}
                 runnable = {k: v for k, v in body["prompt"].items() if k not in skipped}
@@ -887,12 +887,14 @@ def test_ctrl_c_on_a_prompt_still_in_the_queue_takes_it_out(api_file, capsys):
 
     with FakeComfy(MINI_OI) as fake:
         fake.mode = "hang"
-        timer = threading.Timer(1.0, _thread.interrupt_main)
-        timer.start()
-        try:
-            rc = _cli(["run", str(api_file), "--server", fake.url, "--json"])
-        finally:
-            timer.cancel()
+
+        def interrupt_once_queued():
+            deadline = time.monotonic() + 10
+            while not fake.pending and time.monotonic() < deadline:
+                time.sleep(0.02)
+            _thread.interrupt_main()
+        threading.Thread(target=interrupt_once_queued, daemon=True).start()
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--json"])
         (pid,) = [d["delete"][0] for d in fake.deletes]
     assert rc == C.EXIT_INTERRUPTED and fake.pending == []
     assert fake.interrupts == [{"prompt_id": pid}]        # and a running one would be stopped (that one only)
@@ -937,3 +939,37 @@ def test_set_refuses_nan_and_infinity(api_file, capsys):
             assert _cli(["run", str(api_file), "--server", fake.url, "--no-validate", "--dry-run",
                          "--set", f"3.cfg={bad}"]) == C.EXIT_INVALID
     assert capsys.readouterr().err.count("expects a finite number") == 3
+
+
+def test_ctrl_c_while_the_prompt_is_being_submitted_still_cancels_it(api_file, capsys, monkeypatch):
+    """Found in review: submit was outside the cancelling block, so a Ctrl-C after ComfyUI queued the prompt but
+    before its answer was read said "nothing was submitted" and the prompt ran later. The client names the prompt
+    (a UUID ComfyUI takes) before sending it, so it can cancel it."""
+    real = C.ComfyClient.submit
+
+    def submit_then_ctrl_c(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C.ComfyClient, "submit", submit_then_ctrl_c)
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "hang"
+        rc = _cli(["run", str(api_file), "--server", fake.url])
+        assert rc == C.EXIT_INTERRUPTED and len(fake.prompts) == 1 and fake.pending == []
+        assert fake.deletes == [{"delete": [fake.prompts[0]["prompt_id"]]}]
+    assert "took this prompt out of ComfyUI's queue" in capsys.readouterr().err
+
+
+def test_a_comfyui_answering_object_info_with_an_error_is_not_called_another_server(api_file, capsys, monkeypatch):
+    """Found in review: a 500 (a broken node pack) or a proxy's 401 from a real ComfyUI was reported as 'is this a
+    ComfyUI server?' with exit 3; only a 404 or a non-JSON answer means no ComfyUI answered."""
+    real = C.ComfyClient._request
+
+    def broken(self, method, path, body=None):
+        if path == "/object_info":
+            return 500, b'{"error": "a node pack raised in INPUT_TYPES"}'
+        return real(self, method, path, body)
+    monkeypatch.setattr(C.ComfyClient, "_request", broken)
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url])
+    err = capsys.readouterr().err
+    assert rc == C.EXIT_FAILED and "answered HTTP 500" in err and "is this a ComfyUI server" not in err
