@@ -354,10 +354,17 @@ def resolve_save_path(save_path: str, create: bool = True) -> str:
             raise ConfigError("save_path", save_path, f"a name inside {base}",
                               "A relative save_path is placed under ComfyUI's diffusion_models folder and may not "
                               "leave it ('..'); give an absolute path to write elsewhere.")
+        parent = os.path.dirname(full)
+        above = parent
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise ConfigError("save_path", save_path, "a name whose folders can be made",
+                              f"{above} is a file, not a folder.")
         if create:
-            os.makedirs(os.path.dirname(full), exist_ok=True)   # a fresh --base-directory may not have it yet
-        elif not os.path.isdir(os.path.dirname(full)):
-            return full                                          # created when the node runs
+            os.makedirs(parent, exist_ok=True)   # a fresh --base-directory may not have it yet
+        elif not os.path.isdir(parent):
+            return full                          # created when the node runs
     try:
         qckpt.check_output_path(full, force=False)
     except FileExistsError:
@@ -368,11 +375,15 @@ def resolve_save_path(save_path: str, create: bool = True) -> str:
 
 def save_path_problem(save_path) -> str | None:
     """Why ``save_path`` cannot be written (None when it can, or when it is empty or linked), for ComfyUI's
-    validation: a bad path is refused before the loader and the quantization run."""
+    validation: a bad path is refused before the loader and the quantization run. A file that exists already is
+    left to the run: ComfyUI validates every node of every queued prompt, and once the first run wrote the file a
+    re-queue that does not re-run this (cached) node would be refused."""
     if not isinstance(save_path, str) or not save_path.strip():
         return None
     try:
         resolve_save_path(save_path, create=False)
+    except FileExistsError:
+        return None
     except (ConfigError, OSError) as exc:
         return str(exc)
     return None
@@ -616,13 +627,15 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     saving = bool(save_path and save_path.strip())
     chosen, notes = choose_format(fmt, plan, saving)
-    if chosen is None:          # auto on a 16-bit plan: nothing to do, and the report says so
-        require_model(model)
-        return model, "QuantizeDiT: passed through unchanged\n" + "\n".join(f"  note: {n}" for n in notes)
-    qmod = choose_modulation(modulation, plan, notes)
     mismatch = plan_for_another_family(plan, model)
     if mismatch:
         notes.append(mismatch)
+    if chosen is None:          # auto on a 16-bit plan: nothing to do, and the report says so
+        require_model(model)
+        if (modulation or "").strip().lower() == "quantize":
+            notes.append("modulation = quantize has nothing to apply: the model is not quantized")
+        return model, "QuantizeDiT: passed through unchanged\n" + "\n".join(f"  note: {n}" for n in notes)
+    qmod = choose_modulation(modulation, plan, notes)
     path = resolve_save_path(save_path) if save_path and save_path.strip() else None   # before any work
     gran = granularity
     if gran == "auto" and chosen == "fp8_e4m3fn":

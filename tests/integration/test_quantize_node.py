@@ -160,14 +160,19 @@ def test_saved_fp8_checkpoint_loads_with_stock_unetloader(node, tiny_wan, base, 
     assert psnr(tiny_wan.sample(qmodel, seed=1)["samples"], lat) >= 45.0  # same weights, ComfyUI's own ops
     with pytest.raises(FileExistsError, match="never overwrites a file: give a new save_path"):
         run(node, model, format="fp8_e4m3fn", granularity="per_tensor", save_path=path)
-    # ComfyUI's validation asks the node before anything runs (the loader neither)
+    # ComfyUI's validation asks the node before anything runs (the loader neither). A file that exists is left to
+    # the run: ComfyUI validates every node of every queued prompt, and once the first run wrote it, re-queueing the
+    # graph (the node cached, only a seed changed) would be refused (found in review)
     from comfyui_levers.nodes.quantize import LeversQuantizeDiT
 
-    assert "give a new save_path" in LeversQuantizeDiT.validate_inputs(save_path=path)
+    assert LeversQuantizeDiT.validate_inputs(save_path=path) is True
     assert LeversQuantizeDiT.validate_inputs(save_path="") is True
     assert LeversQuantizeDiT.validate_inputs(save_path=None) is True         # linked: known only when it runs
     assert LeversQuantizeDiT.validate_inputs(save_path="levers_new_subfolder/m") is True     # created when it runs
     assert not os.path.exists(os.path.join(os.path.dirname(path), "levers_new_subfolder"))
+    # a folder on the way that is a file cannot be made: refused here, not by a raw errno after the loader
+    problem = LeversQuantizeDiT.validate_inputs(save_path=os.path.basename(path) + "/x")
+    assert isinstance(problem, str) and "is a file, not a folder" in problem, problem
 
 
 def test_already_quantized_passes_through(node, tiny_wan, base):
@@ -415,9 +420,13 @@ def test_format_auto_follows_a_16_bit_plan_and_an_explicit_format_says_it_differ
     spec, wl = get_preset("wan2.1-14b"), Workload(832, 480, 33)
     keeps = plan(spec, wl, synthetic_machine(vram_gb=80, ram_gb=256, h2d_gbps=25), "quality")
     assert keeps.diffusion_model.precision is Precision.BF16
-    out, report = run(node, model, format="auto", plan=keeps)
+    out, report = run(node, model, format="auto", plan=keeps, modulation="quantize")
     assert out is model and report.startswith("QuantizeDiT: passed through unchanged"), report
-    assert "the plan keeps the diffusion model in bf16" in report
+    assert "the plan keeps the diffusion model in bf16" in report and "modulation = quantize has nothing" in report
+    other = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=80, ram_gb=256,
+                                                                                    h2d_gbps=25), "quality")
+    _, report = run(node, model, format="auto", plan=other)
+    assert "passed through unchanged" in report and "the plan was made for flux1-dev" in report, report
     path = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_test_auto_save.safetensors")
     if os.path.exists(path):
         os.unlink(path)

@@ -544,9 +544,9 @@ def test_two_experts_through_phase_offload_in_a_real_server(run, object_info):
 
 
 def test_a_bad_save_path_is_refused_before_anything_runs(server, object_info):
-    """Found in review: a save_path leaving the models folder, in a missing folder or naming a file that exists failed
-    only when QuantizeDiT ran, after the loader (24 GB for FLUX). ComfyUI's own validation now refuses it: /prompt
-    answers 400 naming the node and the fix, and nothing is queued."""
+    """Found in review: a save_path leaving the models folder or in a missing folder failed only when QuantizeDiT
+    ran, after the loader (24 GB for FLUX). ComfyUI's own validation now refuses it: /prompt answers 400 naming the
+    node and the fix, and nothing is queued. (A file that exists is left to the run, see test_quantize_node.)"""
     _require(object_info, "LeversQuantizeDiT")
     for bad, says in (("../../escape", "may not leave"), ("/nonexistent/dir/x", "does not exist")):
         api = wan_graph(object_info, model_chain=[("LeversQuantizeDiT", {"save_path": bad})], prefix="bad_save")
