@@ -328,7 +328,7 @@ def flux_16gb(oi: dict) -> Graph:
     g.note(1, f"""FLUX.1-dev (12 B parameters, 24 GB of bf16 weights) on a 16 GB card.
 
 The plan node reads the loaded models, your GPU, your RAM and your resolution and picks the levers; every Levers node follows it. With goal = speed on a 16 GB card:
-- fp8 weights for the diffusion model (QuantizeDiT, format auto): 12 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms, the modulation linears and the final layer stay 16-bit);
+- fp8 weights for the diffusion model (QuantizeDiT, format auto): about 14 GB instead of 24 GB, quality loss invisible at fp8 (embedders, norms and the final layer stay 16-bit; with 32 GB of RAM the plan quantizes the modulation linears too, 11 GB, and its report says why);
 - phase offload: the T5 text encoder (9.5 GB) is on the GPU only while the prompt is encoded, the diffusion model only while sampling, the VAE only while decoding;
 - group prefetch streams the blocks that do not fit (with 64 GB of RAM the plan keeps about 47 of 57 resident; nothing streams when all fit);
 - tiled decode: tile size chosen so the decode fits next to what is still resident.
