@@ -327,8 +327,11 @@ def host_held_bytes(modules) -> int:
             for x in ([v for _, v in inner] if inner else [subclass.plain(t)]):
                 if x.device.type != "cpu":
                     continue
-                storage = x.untyped_storage()
-                ptr, n = storage.data_ptr(), storage.nbytes()
+                try:
+                    storage = x.untyped_storage()
+                    ptr, n = storage.data_ptr(), storage.nbytes()
+                except (RuntimeError, NotImplementedError):     # a tensor without its own storage: nothing held
+                    continue
                 if ptr and ptr not in held and maps.writable(ptr, n) is not False:
                     held[ptr] = n
     # masters PhaseOffload or GroupPrefetch keep while the model is on the GPU: the plan's host copies too
