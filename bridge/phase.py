@@ -95,9 +95,17 @@ class PhaseSettings:
     pin: PinMode | str = PinMode.AUTO
     text_encoder_precision: str = "auto"
     pin_budget_bytes: int | None = None
+    # components a plan keeps on the GPU across phases: no other phase releases them, and they get no host master
+    resident: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pin", PinMode.parse(self.pin, "pin"))
+        resident = tuple(str(n) for n in self.resident)
+        bad = [n for n in resident if n not in ("diffusion_model", "text_encoder", "vae")]
+        if bad:
+            raise ConfigError("resident", bad, "diffusion_model, text_encoder or vae",
+                              "The experts of a two-expert model always take turns.")
+        object.__setattr__(self, "resident", resident)
         p = str(self.text_encoder_precision).strip().lower()
         if p not in TE_PRECISIONS:
             raise ConfigError("text_encoder_precision", self.text_encoder_precision, ", ".join(TE_PRECISIONS),
@@ -120,11 +128,15 @@ class Component:
     table: MasterTable | None = None
     depth: int = 0
     notes: list[str] = field(default_factory=list)
+    resident: bool = False       # the plan keeps it on the GPU across phases (PhaseSettings.resident)
 
     def on_model_patcher_clone(self) -> "Component":
         return self  # clones of a managed patcher belong to the same component
 
     def swaps(self, patcher) -> tuple[bool, str]:
+        if self.resident:
+            return False, ("the plan keeps it on the GPU across phases: no other phase releases it, ComfyUI loads it "
+                           "once and keeps no host copy")
         if self.dynamic:
             return False, "DynamicVRAM patcher: ComfyUI streams this model itself"
         if getattr(patcher, "weight_inplace_update", False):
@@ -579,7 +591,8 @@ class PhaseGroup:
         """Register ``patcher`` (a clone we own) as component ``name`` and install the subclass."""
         comp = Component(name=name, module=patcher.model, group=self, dynamic=is_dynamic(patcher),
                          load_device=torch.device(patcher.load_device),
-                         offload_device=torch.device(patcher.offload_device))
+                         offload_device=torch.device(patcher.offload_device),
+                         resident=name in self.settings.resident)
         self.components[name] = comp
         install(patcher, comp)
         return comp
@@ -640,7 +653,7 @@ class PhaseGroup:
             entry.nodes.append(node_id)
         if prompt_id is not None:
             _watch_node_finish(self, prompt_id)
-        others = [c.module for c in self.components.values() if c is not comp]
+        others = [c.module for c in self.components.values() if c is not comp and not c.resident]
         loaded = list(mm.current_loaded_models)
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
         evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device

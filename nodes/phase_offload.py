@@ -17,7 +17,9 @@ DEVICE_TIP = "auto = where ComfyUI would put it; cpu; or cuda:N for a specific G
 
 def settings_from(plan, model_device: str, text_encoder_device: str, vae_device: str, pin: str,
                   text_encoder_precision: str) -> PhaseSettings:
-    """Node inputs; settings left on auto take the plan's per-component device / pin / precision."""
+    """Node inputs; settings left on auto take the plan's per-component device / pin / precision, and the
+    components the plan keeps resident stay on the GPU across phases."""
+    resident: tuple[str, ...] = ()
     if plan is not None:
         def planned(name):
             try:
@@ -28,15 +30,18 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
         model_device = dm.device if model_device == "auto" and dm is not None else model_device
         text_encoder_device = te.device if text_encoder_device == "auto" and te is not None else text_encoder_device
         vae_device = va.device if vae_device == "auto" and va is not None else vae_device
-        # the plan pins the host copies of the components that move (one decision for the set); a resident one
-        # has nothing to pin, so it says nothing about the others
+        # the plan pins the host copies of the components that move (one decision for the set); one it keeps
+        # resident stays on the GPU across phases and has no host copy to pin
         moving = [c for c in (dm, te, va) if c is not None and c.residency in (Residency.PHASE, Residency.STREAMED)]
         if pin == "auto" and moving:
             pin = "on" if any(c.pin for c in moving) else "off"
+        experts = getattr(plan, "experts", 1) > 1               # experts always take turns on the GPU
+        resident = tuple(str(c.name) for c in (dm, te, va) if c is not None and c.residency is Residency.RESIDENT
+                         and not (c is dm and experts))
         if text_encoder_precision == "auto" and te is not None and str(te.precision) in ("fp32", "bf16", "fp16"):
             text_encoder_precision = str(te.precision)
     return PhaseSettings(model_device=model_device, text_encoder_device=text_encoder_device, vae_device=vae_device,
-                         pin=pin, text_encoder_precision=text_encoder_precision)
+                         pin=pin, text_encoder_precision=text_encoder_precision, resident=resident)
 
 
 class LeversPhaseOffload(io.ComfyNode):
@@ -56,7 +61,7 @@ class LeversPhaseOffload(io.ComfyNode):
                 io.Vae.Input("vae", optional=True, tooltip="VAE to manage (optional; the input VAE is not modified)."),
                 PLAN.Input("plan", optional=True,
                            tooltip="A Levers plan from Recommend: fills devices, pinning and text-encoder precision "
-                                   "left on auto."),
+                                   "left on auto; a component it keeps resident stays on the GPU across phases."),
                 io.Combo.Input("model_device", options=["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"],
                                default="auto", tooltip="Where the diffusion model runs. " + DEVICE_TIP),
                 io.Combo.Input("text_encoder_device", options=["auto", "cpu", "cuda:0", "cuda:1", "cuda:2", "cuda:3"],

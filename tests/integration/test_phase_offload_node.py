@@ -569,9 +569,37 @@ def test_the_plans_pinning_reaches_the_components_that_move(comfy_env):
     p = plan(get_preset("sdxl"), Workload(512, 512), synthetic_machine(vram_gb=8, ram_gb=16, h2d_gbps=25))
     assert p.diffusion_model.residency is Residency.RESIDENT and not p.diffusion_model.pin
     assert p.text_encoder.residency is Residency.PHASE and p.text_encoder.pin
-    assert settings_from(p, "auto", "auto", "auto", "auto", "auto").pin == "on"
+    settings = settings_from(p, "auto", "auto", "auto", "auto", "auto")
+    # the resident UNet stays on the GPU and keeps no host master: the pinned set is the plan's (found in review:
+    # with pin on, PhaseOffload pinned a UNet master the plan never counted, 13 of 16 GiB of RAM for SD3.5)
+    assert settings.pin == "on" and settings.resident == ("diffusion_model",)
     assert settings_from(p, "auto", "auto", "auto", "off", "auto").pin == "off"       # the widget wins
     # a plan that pins nothing that moves (too little RAM) turns pinning off
     tight = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=12, ram_gb=24, h2d_gbps=25))
     assert not any(c.pin for c in tight.components)
     assert settings_from(tight, "auto", "auto", "auto", "auto", "auto").pin == "off"
+
+
+def test_a_component_the_plan_keeps_resident_stays_on_the_gpu_across_phases(comfy_env, tiny_wan):
+    """A plan that keeps the diffusion model resident sized the encode and decode phases with it on the GPU, and gave
+    it no host copy: PhaseOffload must not release it when the VAE decodes, nor keep a master of it (which it would
+    pin). The VAE still gets its own phase."""
+    from comfyui_levers.bridge.phase import PhaseSettings, apply
+
+    model, vae = _host_offload(tiny_wan.load_model()), tiny_wan.load_vae()
+    ref = tiny_wan.sample(model)["samples"]
+    out = apply(model, None, vae, PhaseSettings(resident=("diffusion_model",)))
+    m, v = out.model, out.vae
+    latent = tiny_wan.sample(m)
+    assert torch.equal(latent["samples"], ref)
+    tiny_wan.decode(v, latent)
+    assert _dit_entries(comfy_env, m.model), "the resident diffusion model was released by the decode phase"
+    led = _group(m).ledger()["components"]["diffusion_model"]
+    assert led["master_bytes"] == 0
+    assert any("the plan keeps it on the GPU" in n for n in _group(m).components["diffusion_model"].notes)
+    # without it, the decode releases the model (PhaseOffload's exclusivity)
+    plain = apply(_host_offload(tiny_wan.load_model()), None, tiny_wan.load_vae(), PhaseSettings())
+    tiny_wan.decode(plain.vae, tiny_wan.sample(plain.model))
+    assert not _dit_entries(comfy_env, plain.model.model)
+    with pytest.raises(ValueError, match="resident"):
+        PhaseSettings(resident=("diffusion_model_2",))
