@@ -171,8 +171,15 @@ def test_saved_fp8_checkpoint_loads_with_stock_unetloader(node, tiny_wan, base, 
     assert LeversQuantizeDiT.validate_inputs(save_path="levers_new_subfolder/m") is True     # created when it runs
     assert not os.path.exists(os.path.join(os.path.dirname(path), "levers_new_subfolder"))
     # a folder on the way that is a file cannot be made: refused here, not by a raw errno after the loader
-    problem = LeversQuantizeDiT.validate_inputs(save_path=os.path.basename(path) + "/x")
-    assert isinstance(problem, str) and "is a file, not a folder" in problem, problem
+    from comfyui_levers.bridge.quant import resolve_save_path
+
+    blocker = os.path.join(os.path.dirname(resolve_save_path("levers_probe", create=False)), "levers_test_blocker")
+    open(blocker, "wb").close()
+    try:
+        problem = LeversQuantizeDiT.validate_inputs(save_path="levers_test_blocker/x")
+        assert isinstance(problem, str) and "is a file, not a folder" in problem, problem
+    finally:
+        os.unlink(blocker)
 
 
 def test_already_quantized_passes_through(node, tiny_wan, base):
