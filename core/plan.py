@@ -357,7 +357,8 @@ def _dit_options_for(spec, wl, machine, budget, act, p, qmod, fp8c) -> list[_Dit
     wb = dit_weight_bytes(spec, p, qmod)
     step = compute_seconds_per_step(spec, wl, machine, p, fp8c)
     if wb + act <= budget:
-        opts.append(_DitOption(p, Residency.RESIDENT, wb, wb, None, 0.0, step, qmod))
+        if spec.experts == 1:           # experts take turns on the GPU: never resident
+            opts.append(_DitOption(p, Residency.RESIDENT, wb, wb, None, 0.0, step, qmod))
         opts.append(_DitOption(p, Residency.PHASE, wb, wb, None, 0.0, step, qmod))
     st = plan_streaming(spec, p, budget - act, wl, machine, step, quantize_modulation=qmod)
     if st is not None:
@@ -627,7 +628,9 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
         if c is not None:
             cands.append(c)
     if not cands:
-        return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld)
+        return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld,
+                            fits_without_withheld=bool(withheld) and _any_fits(spec, wl, machine, budget + withheld,
+                                                                                act))
     ram, room = machine.ram_available_bytes, host_room(machine)
     kept = (f"{ram / GiB:.1f} GiB available, {(ram - room) / GiB:.1f} of them kept for the OS and ComfyUI's own "
             "process" if ram is not None else "")
@@ -646,10 +649,22 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
                      f"that keep the least ({least / GiB:.1f} GiB); the OS will page the rest")
     timed = [_with_pinning(spec, wl, machine, c) for c in in_ram]
     best = _choose(timed, goal)
-    # the fastest plan keeping the modulation linears 16-bit, for the note that says why they are quantized
-    keeping = min((c.total_seconds for c in timed if not c.dit.quantize_modulation), default=None)
+    # the fastest plan keeping the modulation linears 16-bit in the same format, for the note that says why they are
+    # quantized (a plan keeping them in a lossier format is no reason in seconds: it is one in precision)
+    keeping = min((c.total_seconds for c in timed if not c.dit.quantize_modulation
+                   and c.dit.precision is best.dit.precision), default=None)
+    keeps_elsewhere = any(not c.dit.quantize_modulation for c in timed)
     return _assemble(spec, wl, machine, goal, act, best, notes, workload, mdict, withheld,
-                     te_reason=_te_reason(best, cands, in_ram, goal), keeping_modulation_seconds=keeping)
+                     te_reason=_te_reason(best, cands, in_ram, goal), keeping_modulation_seconds=keeping,
+                     modulation_needs_lossier=keeping is None and keeps_elsewhere)
+
+
+def _any_fits(spec, wl, machine, budget: int, act: int) -> bool:
+    """Whether some plan fits ``budget`` (the card with nothing withheld: for the no-fit advice)."""
+    dits = _dit_options(spec, wl, machine, budget, act, [])
+    return any(_evaluate(spec, wl, machine, budget, act, d, t, r) is not None
+               for d, t, r in itertools.product(dits, _te_options(spec, wl, machine, budget),
+                                                (Residency.RESIDENT, Residency.PHASE)))
 
 
 def _dit_moves(spec, c: _Candidate) -> bool:
@@ -673,10 +688,12 @@ def _te_reason(best: _Candidate, cands: list[_Candidate], in_ram: list[_Candidat
     if best.te.partial:
         return "half the bytes over the bus and in host RAM"
 
-    def te16(c):
-        return c.te.device == best.te.device and c.te.precision in (Precision.BF16, Precision.FP16)
+    def te16(c):       # the same diffusion model with a 16-bit encoder in the same place
+        return (c.dit == best.dit and c.te.device == best.te.device and c.te.residency is best.te.residency
+                and c.te.precision in (Precision.BF16, Precision.FP16))
     if not any(te16(c) for c in cands):
-        return "16-bit does not fit the encode phase"
+        return ("16-bit does not fit beside the resident diffusion model" if best.te.residency is Residency.RESIDENT
+                else "16-bit does not fit the encode phase")
     if not any(te16(c) for c in in_ram):
         return "the 16-bit copy does not fit host RAM beside the rest of the plan"
     return {Goal.FIT: "the smaller peak (goal 'fit')",
@@ -713,7 +730,7 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
 
 
 def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict, withheld=0, te_reason="",
-              keeping_modulation_seconds=None) -> Plan:
+              keeping_modulation_seconds=None, modulation_needs_lossier=False) -> Plan:
     gpu = machine.gpu
     bf16 = gpu.bf16
     vae_w = int(spec.vae_params * (2 if bf16 else 4))
@@ -730,11 +747,11 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         if c.dit.quantize_modulation:
             t = keeping_modulation_seconds
             dit_notes.append("modulation linears quantized too: " + (
-                "no plan keeping them 16-bit fits this card and its host RAM" if t is None else
                 "the smallest footprint (goal 'fit'); QuantizeDiT's modulation = keep keeps them 16-bit in a plan "
                 "that takes more memory" if goal is Goal.FIT else
-                "the plans keeping them 16-bit need a lossier format here (goal 'quality'); QuantizeDiT's "
-                "modulation = keep keeps them" if goal is Goal.QUALITY else
+                f"the plans keeping them 16-bit need a lossier format than {c.dit.precision} here; QuantizeDiT's "
+                "modulation = keep keeps them" if modulation_needs_lossier else
+                "no plan keeping them 16-bit fits this card and its host RAM" if t is None else
                 f"the fastest plan keeping them 16-bit takes {t - c.total_seconds:.2f} s more per generation "
                 f"(goal '{goal}'); QuantizeDiT's modulation = keep keeps them"))
         if c.dit.precision is Precision.FP8_E4M3FN:
@@ -797,9 +814,11 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
         notes.append(f"host RAM: {room / GiB:.1f} GiB free for host copies (of {machine.ram_available_bytes / GiB:.1f} "
                      f"available) but they need {host_need / GiB:.1f} GiB; the OS will page (slow) — close other "
                      "programs or use smaller files")
-    if room is not None and not _dit_moves(spec, c) and c.dit.weight_bytes > room:
-        notes.append(f"the diffusion model ({c.dit.weight_bytes / GiB:.1f} GiB) stays on the GPU, but loading it "
-                     f"reads it through host RAM ({room / GiB:.1f} GiB free for it): its first load pages from disk")
+    loaded_once = ((0 if _dit_moves(spec, c) else c.dit.weight_bytes)
+                   + (c.te.weight_bytes if c.te.residency is Residency.RESIDENT else 0))
+    if room is not None and loaded_once > room:
+        notes.append(f"the models kept on the GPU ({loaded_once / GiB:.1f} GiB) are read through host RAM when they "
+                     f"first load ({room / GiB:.1f} GiB free for them): that first load pages from disk")
     if machine.bandwidth.source != "measured":
         notes.append(f"host->GPU bandwidth {machine.bandwidth.pinned_gbps:g} GB/s ({machine.bandwidth.source}"
                      + (f": {machine.bandwidth.reason}" if machine.bandwidth.reason else "") + ")")
@@ -862,7 +881,8 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
                 workload=workload, machine=mdict, host_bytes=int(need - extra_need), experts=spec.experts)
 
 
-def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld=0) -> Plan:
+def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld=0,
+                 fits_without_withheld=False) -> Plan:
     """Nothing fits: return the smallest-footprint plan, marked ``fits=False``, with what to change."""
     gpu = machine.gpu
     smallest = min(dits, key=lambda d: d.resident_bytes) if dits else None
@@ -901,8 +921,8 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
                          f"smallest tiles {vae_peak / GiB:.1f} GiB)")
             # the smallest tiles barely shrink with the image: the VAE on the CPU is what fits
             fixes.append("decode on the CPU (PhaseOffload's vae_device = cpu, TiledVAEDecode after it; slow)")
-    if withheld and max(sample, decode) <= budget + withheld:
-        fixes.insert(0, "close the programs holding VRAM (or lower --reserve-vram), see the notes above")
+    if fits_without_withheld:
+        fixes = ["close the programs holding VRAM (or lower --reserve-vram), see the notes above"]
     fixes.append("use a bigger card")
     advice = ", or ".join(fixes)
     notes.append(f"does not fit {card} ({max(0, budget) / GiB:.1f} GiB usable) even with {p} weights"
