@@ -933,10 +933,14 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
              ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
              ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w, tiling=tiling))
     peak = max(sample, decode) + OVERHEAD_BYTES
+    host = int(wb * spec.experts + comps[1].weight_bytes + vae_w)
+    room = host_room(machine)
+    if room is not None and host > room:
+        notes.append(f"host RAM: {room / GiB:.1f} GiB free for host copies (of {machine.ram_available_bytes / GiB:.1f} "
+                     f"available), but this smallest plan needs {host / GiB:.1f} GiB: the RAM is short too")
     return Plan(model=spec.name, goal=goal, budget_bytes=max(0, gpu.total_bytes - OVERHEAD_BYTES - withheld),
                 vram_bytes=gpu.total_bytes, components=comps, activation_bytes=act,
                 vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=OVERHEAD_BYTES,
                 predicted_peak_bytes=int(peak), predicted_extra_seconds=0.0, fits=False,
-                notes=tuple(notes), workload=workload, machine=mdict,
-                host_bytes=int(wb * spec.experts + comps[1].weight_bytes + vae_w), experts=spec.experts,
+                notes=tuple(notes), workload=workload, machine=mdict, host_bytes=host, experts=spec.experts,
                 withheld_bytes=withheld)

@@ -1051,3 +1051,11 @@ def test_notes_from_the_second_sweep_state_true_reasons():
     (note,) = [n for n in b.notes if n.startswith("does not fit")]
     assert not b.fits and plan(get_preset("flux1-dev"), Workload(1024, 1024), base).fits
     assert "Close the programs holding VRAM" in note, note
+
+
+def test_a_plan_that_does_not_fit_says_when_the_ram_is_short_too():
+    """Found in the second sweep: HunyuanVideo 1.5 on a 6 GB T4 with 16 GB of RAM printed 42 GiB of host copies and no
+    word that the RAM cannot hold them."""
+    p = plan(get_preset("hunyuanvideo-1.5"), Workload(832, 480, 81, cfg=False), machine(6, ram=16, capability=(7, 5)))
+    assert not p.fits and p.host_bytes > 16 * GiB
+    assert any(n.startswith("host RAM:") and "the RAM is short too" in n for n in p.notes), p.notes
