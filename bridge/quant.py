@@ -627,16 +627,16 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     """Everything LeversQuantizeDiT does: returns (MODEL, report text)."""
     saving = bool(save_path and save_path.strip())
     chosen, notes = choose_format(fmt, plan, saving)
+    qmod = choose_modulation(modulation, plan, notes)
     mismatch = plan_for_another_family(plan, model)
     if mismatch:
         notes.append(mismatch)
     if chosen is None:          # auto on a 16-bit plan: nothing to do, and the report says so
         require_model(model)
-        if (modulation or "").strip().lower() == "quantize":
+        if qmod:
             notes.append("modulation = quantize has nothing to apply: the model is not quantized")
         return model, "QuantizeDiT: passed through unchanged\n" + "\n".join(f"  note: {n}" for n in notes)
-    qmod = choose_modulation(modulation, plan, notes)
-    path = resolve_save_path(save_path) if save_path and save_path.strip() else None   # before any work
+    path = resolve_save_path(save_path) if saving else None   # before any work
     gran = granularity
     if gran == "auto" and chosen == "fp8_e4m3fn":
         # ComfyUI's own fp8 layer when it has one (its LoRA / offload / fp8-matmul paths), else per row

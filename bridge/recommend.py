@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import torch
@@ -322,7 +321,7 @@ def host_held_bytes(modules) -> int:
     maps = HostMaps.read()
     held: dict[int, int] = {}
     for module in modules:
-        for t in itertools.chain(module.parameters(), module.buffers()):
+        for t, _, _ in _tensors(module):
             inner = subclass.leaves(t)
             for x in ([v for _, v in inner] if inner else [subclass.plain(t)]):
                 if x.device.type != "cpu":

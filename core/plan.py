@@ -556,8 +556,8 @@ def host_room(machine: Machine) -> int | None:
 
 def vram_withheld(machine: Machine) -> tuple[int, list[str]]:
     """VRAM a plan leaves alone beyond ``OVERHEAD_BYTES``, with a note for each part: what other programs held
-    when the card was probed (a display, a browser, another process), and what ComfyUI keeps free above its
-    default (``--reserve-vram``)."""
+    when the card was probed (a display, a browser, another process), and a ``--reserve-vram`` given to ComfyUI,
+    above ComfyUI's default."""
     gpu, withheld, notes = machine.gpu, 0, []
     # under DynamicVRAM ComfyUI allocates outside torch's allocator itself: that memory is not another program's
     if gpu.others_bytes is not None and not machine.comfyui.get("dynamic_vram"):
@@ -620,13 +620,7 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
     withheld, withheld_notes = vram_withheld(machine)
     notes.extend(withheld_notes)
     budget = machine.gpu.total_bytes - OVERHEAD_BYTES - withheld
-    dits = _dit_options(spec, wl, machine, budget, act, notes)
-    tes = _te_options(spec, wl, machine, budget)
-    cands = []
-    for dit, te, vr in itertools.product(dits, tes, (Residency.RESIDENT, Residency.PHASE)):
-        c = _evaluate(spec, wl, machine, budget, act, dit, te, vr)
-        if c is not None:
-            cands.append(c)
+    dits, cands = _candidates(spec, wl, machine, budget, act, notes)
     if not cands:
         return _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld,
                             fits_without_withheld=bool(withheld) and _any_fits(spec, wl, machine, budget + withheld,
@@ -659,12 +653,17 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
                      modulation_needs_lossier=keeping is None and keeps_elsewhere)
 
 
+def _candidates(spec, wl, machine, budget: int, act: int, notes: list[str]) -> tuple[list, list[_Candidate]]:
+    """The DiT options, and every combination with a text encoder and a VAE residency whose peak fits ``budget``."""
+    dits = _dit_options(spec, wl, machine, budget, act, notes)
+    combos = itertools.product(dits, _te_options(spec, wl, machine, budget), (Residency.RESIDENT, Residency.PHASE))
+    return dits, [c for c in (_evaluate(spec, wl, machine, budget, act, d, t, r) for d, t, r in combos)
+                  if c is not None]
+
+
 def _any_fits(spec, wl, machine, budget: int, act: int) -> bool:
     """Whether some plan fits ``budget`` (the card with nothing withheld: for the no-fit advice)."""
-    dits = _dit_options(spec, wl, machine, budget, act, [])
-    return any(_evaluate(spec, wl, machine, budget, act, d, t, r) is not None
-               for d, t, r in itertools.product(dits, _te_options(spec, wl, machine, budget),
-                                                (Residency.RESIDENT, Residency.PHASE)))
+    return bool(_candidates(spec, wl, machine, budget, act, [])[1])
 
 
 def _dit_moves(spec, c: _Candidate) -> bool:
@@ -827,7 +826,8 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                                        Goal.SPEED: "fastest predicted plan", Goal.FIT: "smallest peak, streaming last"}[goal])
     peak = c.peak + OVERHEAD_BYTES
     # what the DiT's precision does to compute, against the same model in 16-bit (not in the extra seconds, which
-    # are the moves): nf4 and dequantized fp8 cost seconds, fp8 matmuls save some
+    # are what the levers add: moves, a CPU text encoder, a tiled decode's overlap): nf4 and dequantized fp8 cost
+    # seconds, fp8 matmuls save some
     p16 = Precision.BF16 if bf16 else Precision.FP16
     precision_seconds = 0.0 if stored_precision(spec) is not None else \
         wl.steps * (c.dit.step_seconds - compute_seconds_per_step(spec, wl, machine, p16, False))
