@@ -50,6 +50,12 @@ _GIB = 1024 ** 3
 
 # Host arenas survive between runs (pinning costs about 0.45 s/GiB on an H200, packing more): one per diffusion model.
 _STORES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], HostStore]]" = weakref.WeakKeyDictionary()
+# Per diffusion model, the layout its cached host copy was built for: a later run keeps it while it fits
+# (``_Session._keep_built``), so a run at another resolution or batch does not rebuild and re-pin the copy.
+_BUILT: "weakref.WeakKeyDictionary[nn.Module, _Built]" = weakref.WeakKeyDictionary()
+# A kept layout may stream this much more per forward than the least the run's budget allows; beyond it the
+# host copy is rebuilt for the new layout (the bytes saved then repeat every forward, the rebuild is paid once).
+KEEP_SLACK = 0.25
 _BANDWIDTH: dict[str, float] = {}
 # Per diffusion model, the weight keys the last run streamed patched (LoRA): ComfyUI may restore them in place
 # into our arena views at its next load, which the store cannot see by pointer, so they are re-staged then.
@@ -173,6 +179,29 @@ class SplitLayout:
     tail_tensors: frozenset[int]       # ids of block tensors ComfyUI loads
     streamed_bytes: int
     cap: int
+    widest: int = 0                    # the largest head: what each device slot holds
+
+
+@dataclass(frozen=True)
+class _Built:
+    """A layout a host copy was built for: ``k`` leading blocks loaded by ComfyUI (no split) or ``split``."""
+
+    k: int
+    split: SplitLayout | None
+    streamed_bytes: int
+
+
+def _split_need(other_bytes: int, block_bytes: int, streamed: int, widest: int, depth: int, cfg: PrefetchConfig,
+                n_dtypes: int, max_tensors: int) -> int:
+    """Device bytes of a split layout: the non-block part, the resident tails, ``depth + 1`` slots of the widest
+    head (and the packed staging buffer)."""
+    return int(other_bytes + block_bytes - streamed + (depth + 1) * slot_bound(widest, n_dtypes, max_tensors)
+               + _staging(widest, cfg))
+
+
+def _store_ids(streamed, tails: frozenset[int], packed: bool) -> tuple:
+    """What a cached host copy was built for: the streamed blocks, the tails ComfyUI loads, packed or not."""
+    return tuple(id(b) for _, b in streamed), tails, packed
 
 
 def _own_bytes(m: nn.Module) -> int:
@@ -205,8 +234,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
         cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
         heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
         streamed = sum(heads)
-        need = (other_bytes + total_blocks - streamed + (depth + 1) * slot_bound(max(heads), n_dtypes, max_tensors)
-                + _staging(max(heads), cfg))
+        need = _split_need(other_bytes, total_blocks, streamed, max(heads), depth, cfg, n_dtypes, max_tensors)
         if need > budget:
             continue
         cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
@@ -217,7 +245,7 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
             head_mods.update(id(m) for m, _ in fixed + leaves[:k])
             tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
         idx = tuple(b for b, h in enumerate(heads) if h)
-        return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap)
+        return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap, max(heads))
     return None
 
 
@@ -253,21 +281,16 @@ class _Session:
                    for _, b in self.layout.blocks]
         n_dtypes = len({x.dtype for xs in streams for x in xs})
         block_tensors = [len(xs) for xs in streams]
-        self.k = _resident_blocks(sizes, other, self.budget, cfg, n_dtypes, block_tensors)
-        self.streamed = self.layout.blocks[self.k:]
-        self.streamed_bytes = sum(sizes[self.k:])
-        self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
+        self.sizes = sizes
         self.split: SplitLayout | None = None
-        if (cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
-                and not math.isinf(self.budget) and self.streamed):
-            depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+        self._use(_resident_blocks(sizes, other, self.budget, cfg, n_dtypes, block_tensors), None)
+        split_ok = cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
+        depth = cfg.prefetch_depth if cfg.prefetch_depth != AUTO else 1
+        if split_ok and not math.isinf(self.budget) and self.streamed:
             split = _split_blocks(self.layout.blocks, other, self.budget, depth, cfg, n_dtypes,
                                   max(block_tensors, default=0))
             if split is not None and split.streamed_bytes < self.streamed_bytes:
-                self.split, self.k = split, 0
-                self.streamed = [self.layout.blocks[b] for b in split.streamed]
-                self.streamed_bytes = split.streamed_bytes
-                self.streamed_ids = set(split.head_modules)
+                self._use(0, split)
         # the least this run can stream with still does not fit (a budget below the non-block part plus d + 1
         # slots of the widest group): (needed, budget), decided before ComfyUI loads anything
         self.too_small: tuple[int, float] | None = None
@@ -275,8 +298,52 @@ class _Session:
             need = _layout_need(sizes, other, self.k, cfg, n_dtypes, block_tensors)
             if need > self.budget:
                 self.too_small = (need, self.budget)
+        # bytes per forward the kept host copy's layout streams beyond this run's least (None: not kept)
+        self.kept_extra: int | None = None
+        if self.too_small is None:
+            self._keep_built(other, cfg, n_dtypes, block_tensors, split_ok, depth)
         self._saved: dict[str, Any] = {}
         self.unloaded_stale: str | None = None
+
+    def _use(self, k: int, split: SplitLayout | None) -> None:
+        """Take a layout: ``k`` leading blocks loaded by ComfyUI and the rest streamed whole, or ``split``."""
+        self.k, self.split = k, split
+        if split is None:
+            self.streamed = self.layout.blocks[k:]
+            self.streamed_bytes = sum(self.sizes[k:])
+            self.streamed_ids = {id(sub) for _, b in self.streamed for sub in b.modules()}
+        else:
+            self.streamed = [self.layout.blocks[b] for b in split.streamed]
+            self.streamed_bytes = split.streamed_bytes
+            self.streamed_ids = set(split.head_modules)
+
+    def _keep_built(self, other: int, cfg: PrefetchConfig, n_dtypes: int, block_tensors: list[int],
+                    split_ok: bool, depth: int) -> None:
+        """Keep the layout this model's cached host copy was built for, instead of this run's least-streaming
+        one, while it fits this run's budget and streams at most ``KEEP_SLACK`` more per forward. A run at another
+        resolution or batch (auto budget), or another budget, would otherwise rebuild the copy: one more copy of
+        the streamed bytes in host RAM while it is built, and seconds to copy and pin it, every time the size
+        alternates. Only the auto layout moves: a resident_groups set on the node is the layout."""
+        built, cached = _BUILT.get(self.root), _STORES.get(self.root)
+        if (built is None or cached is None or cfg.resident_groups != AUTO or math.isinf(self.budget)
+                or not self.streamed or (built.k, built.split) == (self.k, self.split)):
+            return
+        if built.split is None:
+            streamed = sum(self.sizes[built.k:])
+            need = _layout_need(self.sizes, other, built.k, cfg, n_dtypes, block_tensors)
+            ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed)
+        elif split_ok:
+            split = built.split
+            streamed = split.streamed_bytes
+            need = _split_need(other, sum(self.sizes), streamed, split.widest, depth, cfg, n_dtypes,
+                               max(block_tensors, default=0))
+            ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_tensors, cfg.packed)
+        else:
+            return
+        if need > self.budget or streamed > (1 + KEEP_SLACK) * self.streamed_bytes or cached[0] != ids:
+            return
+        self.kept_extra = max(0, streamed - self.streamed_bytes)
+        self._use(built.k, built.split)
 
     @property
     def tails(self) -> frozenset[int]:
@@ -508,7 +575,8 @@ class _Session:
         tails = self.tails
         cfg = self.state.request.config
         packed = cfg.packed and packing_supported(transport.device)[0]
-        ids = (tuple(id(b) for _, b in self.streamed), tails, packed)
+        ids = _store_ids(self.streamed, tails, packed)
+        _BUILT[self.root] = _Built(self.k, self.split, self.streamed_bytes)
         cached = _STORES.get(self.root)
         before = _PATCHED.get(self.root, set())
         _PATCHED[self.root] = set(patched)
@@ -583,6 +651,10 @@ class _Session:
             head += "."
         if dynamic_vram_active():
             head += "\n" + legacy_under_dynamic_line(self.patcher)
+        if self.kept_extra is not None:
+            head += (f"\nhost copy kept: the layout it was built for still fits this budget and streams "
+                     f"{_gb(self.kept_extra)} more per forward than the least this budget allows (at most "
+                     f"{KEEP_SLACK:.0%} more), so it is not rebuilt and re-pinned for this run's size.")
         if self.unloaded_stale:
             head += f"\n{self.unloaded_stale}."
         if self.skip_reason:
@@ -640,6 +712,9 @@ class PrefetchState:
         finally:
             try:
                 self.last_stats = session.handle.stats() if session.handle is not None else None
+                if self.last_stats is not None:
+                    # bytes per forward the kept host copy's layout streams beyond the run's least (None: not kept)
+                    self.last_stats["host_copy_kept_extra_bytes"] = session.kept_extra
             except Exception as e:        # the numbers are a report; close() restores the model regardless
                 log.warning("levers: GroupPrefetch stats failed (%s: %s)", type(e).__name__, e)
                 self.last_stats = None

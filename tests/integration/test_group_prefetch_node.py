@@ -973,3 +973,50 @@ def test_a_model_without_streamable_blocks_passes_through_with_a_clear_line(comf
     assert out is model and report.startswith("GroupPrefetch stands aside: no transformer blocks found in StageC")
     assert "passes through unchanged" in report
     assert torch.equal(tiny.sample(out), ref)
+
+
+def test_a_run_at_another_size_keeps_the_host_copy_while_its_layout_fits(comfy_env, tiny_wan):
+    """Budgets change between runs (the auto budget follows the resolution and batch). The host copy's layout is
+    kept while it fits the new budget and streams at most KEEP_SLACK more than that budget's least: no rebuild, no
+    second copy in RAM, no re-pinning. A larger saving, or a budget the layout no longer fits, rebuilds it. Every
+    run is bit-identical to the unstreamed model."""
+    from comfyui_levers.bridge import prefetch as bp
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    dm = model.model.diffusion_model
+    total = module_bytes(dm)
+    auto = dict(resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1)
+
+    def least(budget):          # what a run at this budget streams with no host copy to keep
+        _, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget / 1024 ** 3)
+        s = bp._Session(st, model, None)
+        return 0 if s.too_small else s.streamed_bytes
+
+    assert bp._BUILT.get(dm) is None and bp._STORES.get(dm) is None
+    sweep = [(b, least(b)) for b in (int(total * f / 200) for f in range(100, 200))]
+    sweep = [(b, s) for b, s in sweep if s > 0]      # budgets that stream and hold the slots
+    b1, s1 = sweep[0]
+    near = [(b, s) for b, s in sweep if s1 / (1 + bp.KEEP_SLACK) <= s < s1]
+    far = [(b, s) for b, s in sweep if s < s1 / (1 + bp.KEEP_SLACK)]
+    assert near and far, sweep
+    (b2, s2), (b3, s3) = near[0], far[0]
+
+    def run(budget):
+        clone, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget / 1024 ** 3)
+        assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+        return st, bp._STORES[dm][1]
+
+    st, store = run(b1)
+    assert st.last_stats["streamed_bytes_per_forward"] == s1 and st.last_stats["host_copy_kept_extra_bytes"] is None
+    st, kept = run(b2)                                   # fits, streams less than 25% more: kept
+    assert kept is store and st.last_stats["streamed_bytes_per_forward"] == s1
+    assert st.last_stats["host_copy_kept_extra_bytes"] == s1 - s2 > 0
+    assert "host copy kept" in st.last_report, st.last_report
+    st, rebuilt = run(b3)                                # saves more than that: rebuilt for the new layout
+    assert rebuilt is not store and st.last_stats["streamed_bytes_per_forward"] == s3
+    assert st.last_stats["host_copy_kept_extra_bytes"] is None and "host copy kept" not in st.last_report
+    st, again = run(b1)                                  # the layout built for b3 no longer fits b1: rebuilt
+    assert again is not rebuilt and st.last_stats["streamed_bytes_per_forward"] == s1
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
