@@ -37,9 +37,10 @@ from ..core.errors import BudgetExceeded
 from ..core.residency import subclass
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
+from ..core.residency.pinned import PinMode, arena_pin_decision
 from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
     measure_bandwidth, slot_bound, spend_leftover
-from ..core.residency.transport import Transport, make_transport, tensor_nbytes
+from ..core.residency.transport import HostMaps, Transport, make_transport, pinned_by_levers, tensor_nbytes
 from .comfy_mode import dynamic_vram_active, patcher_is_dynamic, unload_entries_of
 from .inputs import require_model
 
@@ -97,6 +98,16 @@ def plan_budget(plan) -> PlanBudget:
                       "the budget stays auto (ComfyUI's free memory), so it streams only what does not fit", planned)
 
 
+def plan_pin(plan, pin: str) -> tuple[PinMode, str]:
+    """The host arena's pin mode: the node's, or on ``auto`` the pinning of a connected plan that streams the
+    diffusion model (decided with the rest of its host copies). Returns (mode, source)."""
+    mode = PinMode.parse(pin, "pin")
+    dit = getattr(plan, "diffusion_model", None) if plan is not None else None
+    if mode is PinMode.AUTO and dit is not None and getattr(dit, "streaming", None) is not None:
+        return (PinMode.ON if getattr(dit, "pin", False) else PinMode.OFF), "the plan's"
+    return mode, ""
+
+
 @dataclass(frozen=True)
 class BridgeRequest:
     """What the node asked for. ``budget_bytes`` None: derive it from ComfyUI's free memory."""
@@ -104,6 +115,8 @@ class BridgeRequest:
     config: PrefetchConfig
     budget_bytes: int | None = None
     budget: PlanBudget = PlanBudget()
+    pin: PinMode = PinMode.AUTO         # the host arena: auto (the RAM rule), on, off
+    pin_source: str = ""                # "the plan's" when a connected plan decided it
 
 
 def _diffusion_model(patcher) -> nn.Module:
@@ -199,9 +212,10 @@ def _split_need(other_bytes: int, block_bytes: int, streamed: int, widest: int, 
                + _staging(widest, cfg))
 
 
-def _store_ids(streamed, tails: frozenset[int], packed: bool) -> tuple:
-    """What a cached host copy was built for: the streamed blocks, the tails ComfyUI loads, packed or not."""
-    return tuple(id(b) for _, b in streamed), tails, packed
+def _store_ids(streamed, tails: frozenset[int], packed: bool, pin: PinMode) -> tuple:
+    """What a cached host copy was built for: the streamed blocks, the tails ComfyUI loads, packed or not, the pin
+    mode asked for."""
+    return tuple(id(b) for _, b in streamed), tails, packed, pin
 
 
 def _own_bytes(m: nn.Module) -> int:
@@ -331,13 +345,14 @@ class _Session:
         if built.split is None:
             streamed = sum(self.sizes[built.k:])
             need = _layout_need(self.sizes, other, built.k, cfg, n_dtypes, block_tensors)
-            ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed)
+            ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed, self.state.request.pin)
         elif split_ok:
             split = built.split
             streamed = split.streamed_bytes
             need = _split_need(other, sum(self.sizes), streamed, split.widest, depth, cfg, n_dtypes,
                                max(block_tensors, default=0))
-            ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_tensors, cfg.packed)
+            ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_tensors, cfg.packed,
+                             self.state.request.pin)
         else:
             return
         if need > self.budget or streamed > (1 + KEEP_SLACK) * self.streamed_bytes or cached[0] != ids:
@@ -575,7 +590,7 @@ class _Session:
         tails = self.tails
         cfg = self.state.request.config
         packed = cfg.packed and packing_supported(transport.device)[0]
-        ids = _store_ids(self.streamed, tails, packed)
+        ids = _store_ids(self.streamed, tails, packed, self.state.request.pin)
         _BUILT[self.root] = _Built(self.k, self.split, self.streamed_bytes)
         cached = _STORES.get(self.root)
         before = _PATCHED.get(self.root, set())
@@ -593,9 +608,36 @@ class _Session:
                 log.info("levers: GroupPrefetch rebuilds its host copies: %s", exc)
         if cached is not None:
             cached[1].restore(transport)
-        store = HostStore(self.streamed, transport, pin=cfg.pin, exclude=tails, packed=packed)
+        pin, why = self._pin_arena(transport, tails)
+        store = HostStore(self.streamed, transport, pin=pin, exclude=tails, packed=packed, unpinned_reason=why)
         _STORES[self.root] = (ids, store)
         return store
+
+    def _pin_arena(self, transport: Transport, tails: frozenset[int]) -> tuple[bool, str]:
+        """Whether the host copy about to be built is page-locked, and why (``arena_pin_decision``): the RAM rule
+        counts what Levers holds pinned already, less the pinned masters of the weights the copy takes over
+        (PhaseOffload's), and leaves out of the available RAM the weights read from read-only file mappings."""
+        req = self.state.request
+        has_cuda = torch.device(transport.device).type == "cuda"
+        if req.pin is not PinMode.AUTO or not has_cuda:
+            pin, why = arena_pin_decision(req.pin, self.streamed_bytes, has_cuda)
+            return pin, (f"{why} ({req.pin_source} pinning)" if req.pin_source else why)
+        seen: set[int] = set()
+        replaced = mapped = 0
+        maps = HostMaps.recent(max_age_s=0.0)
+        for _, block in self.streamed:
+            for t in [*block.parameters(), *block.buffers()]:
+                if id(t) in tails:
+                    continue
+                for x in _stream_tensors(t):
+                    if x.device.type != "cpu" or not x.numel() or x.data_ptr() in seen:
+                        continue
+                    seen.add(x.data_ptr())
+                    n = tensor_nbytes(x)
+                    replaced += n if pinned_by_levers(x) else 0
+                    mapped += n if maps.writable(x.data_ptr(), n) is False else 0
+        return arena_pin_decision(PinMode.AUTO, self.streamed_bytes, True, replaced_bytes=replaced,
+                                  mapped_bytes=mapped)
 
     def _entries(self, store: HostStore, keys: set[str]) -> list:
         """The store entries holding these ``diffusion_model.``-prefixed weight keys."""
@@ -817,7 +859,8 @@ def legacy_under_dynamic_line(patcher) -> str:
 
 
 def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | None = None,
-                          node_id: str | None = None, plan_budget: PlanBudget | None = None):
+                          node_id: str | None = None, plan_budget: PlanBudget | None = None,
+                          pin: PinMode | str = PinMode.AUTO, pin_source: str = ""):
     """Return (clone, report): a MODEL clone that streams its DiT blocks during sampling. ``node_id``:
     the node that shows each run's achieved numbers (ComfyUI's progress text), when there is one."""
     import comfy.patcher_extension as pe
@@ -834,7 +877,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
     clone = model.clone()
     diffusion = clone.model.diffusion_model
     budget = plan_budget if plan_budget is not None else PlanBudget(budget_bytes, "node" if budget_bytes else "auto")
-    state = PrefetchState(BridgeRequest(config, budget_bytes, budget), node_id)
+    pin = PinMode.parse(pin, "pin")
+    state = PrefetchState(BridgeRequest(config, budget_bytes, budget, pin, pin_source), node_id)
     for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.DIFFUSION_MODEL):
         clone.remove_wrappers_with_key(kind, WRAPPER_KEY)   # DIFFUSION_MODEL: where clones of older builds attached
     clone.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, state.outer_sample)
@@ -846,7 +890,8 @@ def attach_group_prefetch(model, config: PrefetchConfig, budget_bytes: int | Non
              f"settings: blocks_per_group={config.blocks_per_group}, prefetch_depth={config.prefetch_depth}, "
              f"resident_groups={config.resident_groups}, VRAM budget="
              f"{'auto (ComfyUI free memory minus activations)' if budget_bytes is None else _gb(budget_bytes)}"
-             + (", packed bf16 streaming" if config.packed else "") + ".",
+             + (", packed bf16 streaming" if config.packed else "")
+             + f", pin {pin}" + (f" ({pin_source} pinning)" if pin_source else "") + ".",
              *([f"plan: {budget.line}."] if budget.line else []),
              *([f"packed bf16 unavailable on {clone.load_device}: {packing_supported(clone.load_device)[1]}; "
                 "weights stream as stored."] if config.packed and not packing_supported(clone.load_device)[0] else []),

@@ -4,7 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from . import REPORT_TIP
-from ..bridge.prefetch import PlanBudget, attach_group_prefetch, plan_budget
+from ..bridge.prefetch import PlanBudget, attach_group_prefetch, plan_budget, plan_pin
 from ..core.errors import ConfigError
 from ..core.residency.prefetch import AUTO, PrefetchConfig
 
@@ -80,6 +80,12 @@ class LeversGroupPrefetch(io.ComfyNode):
                                          "packed host copy (~0.76x the streamed bytes, pinned instead of the bf16 "
                                          "copy), a one-time packing pass and a <=100 MiB staging buffer. Needs Triton "
                                          "on CUDA; otherwise the report says it is off."),
+                io.Combo.Input("pin", options=["auto", "on", "off"], default="auto", optional=True,
+                               tooltip="Page-lock the host copy of the streamed blocks (copies at full PCIe speed; "
+                                       "pinned pages cannot be swapped out). auto = pin when the available RAM covers "
+                                       "twice what Levers would then hold pinned (Windows and WSL caps apply), or as "
+                                       "a connected plan that streams the model decided; on = pin regardless (fails "
+                                       "soft); off = pageable."),
                 PLAN.Input("plan", optional=True,
                            tooltip="A Levers plan from Recommend. When it streams the diffusion model, its "
                                    "diffusion-model VRAM share becomes the budget while vram_budget_gb is auto (if "
@@ -96,12 +102,14 @@ class LeversGroupPrefetch(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, blocks_per_group=-1, prefetch_depth=-1, resident_groups=-1, vram_budget_gb=0.0,
-                packed_bf16=False, plan=None) -> io.NodeOutput:
+                packed_bf16=False, pin="auto", plan=None) -> io.NodeOutput:
         config, budget = settings_from(plan, blocks_per_group, prefetch_depth, resident_groups, vram_budget_gb,
                                        packed_bf16)
+        pin_mode, pin_source = plan_pin(plan, pin)
         hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
         clone, report = attach_group_prefetch(model, config, budget_bytes=budget.budget_bytes,
-                                              node_id=getattr(hidden, "unique_id", None), plan_budget=budget)
+                                              node_id=getattr(hidden, "unique_id", None), plan_budget=budget,
+                                              pin=pin_mode, pin_source=pin_source)
         return io.NodeOutput(clone, report, ui=ui.PreviewText(report))
 
 

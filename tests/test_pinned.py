@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from comfyui_levers.core.residency import pinned
-from comfyui_levers.core.residency.pinned import (GIB, PinMode, PinnedStore, group_by_storage, pin_decision)
+from comfyui_levers.core.residency.pinned import (GIB, PinMode, PinnedStore, arena_pin_decision, group_by_storage,
+                                                  pin_decision)
 from comfyui_levers.core.residency.transport import CpuTransport, PinResult
 
 
@@ -59,6 +60,29 @@ def test_pin_decision_explicit_budget_replaces_the_ram_rule():
     assert ok and "budget" in reason            # RAM rule alone would say no
     ok, reason = pin_decision(4 * GIB, 64 * GIB, "linux", True, budget_bytes=3 * GIB)
     assert not ok and "budget" in reason        # RAM rule alone would say yes
+
+
+def test_a_streaming_arena_is_pinned_by_the_ram_rule_over_everything_levers_holds_pinned():
+    """GroupPrefetch's host copy: the same rule as the plan and PhaseOffload, over the arena plus what Levers
+    holds pinned already, less the pinned masters the arena takes over; read-only mapped weights become RAM."""
+    ram = dict(available_ram_bytes=30 * GIB, total_ram_bytes=64 * GIB, os_name="linux")
+    assert arena_pin_decision("auto", 10 * GIB, True, levers_pinned_bytes=0, **ram)[0]
+    ok, why = arena_pin_decision("auto", 10 * GIB, True, levers_pinned_bytes=6 * GIB, **ram)
+    assert not ok and why.startswith("pageable:") and "6.00 GiB Levers holds pinned already" in why, why
+    # the 6 GiB are PhaseOffload's pinned masters of these very weights: the arena takes them over
+    assert arena_pin_decision("auto", 10 * GIB, True, levers_pinned_bytes=6 * GIB, replaced_bytes=6 * GIB, **ram)[0]
+    # weights read from a read-only file mapping were page cache the OS counted as available
+    ok, why = arena_pin_decision("auto", 10 * GIB, True, levers_pinned_bytes=0, mapped_bytes=12 * GIB, **ram)
+    assert not ok and "available RAM 18.00 GiB" in why, why
+    ok, why = arena_pin_decision("auto", 2 * GIB, True, levers_pinned_bytes=0, **dict(ram, os_name="wsl"))
+    assert not ok and "WSL" in why
+    # on and off are the user's; without CUDA nothing DMAs from pinned memory
+    assert arena_pin_decision("on", 10 * GIB, True, levers_pinned_bytes=60 * GIB, **ram) == (True, "pin = on")
+    assert arena_pin_decision("off", GIB, True, **ram) == (False, "pageable: pin = off")
+    ok, why = arena_pin_decision("auto", GIB, False, **ram)
+    assert not ok and "no CUDA" in why
+    with pytest.raises(Exception, match="pin"):
+        arena_pin_decision("sometimes", GIB, True, **ram)
 
 
 # --- storage groups ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from ..types import _StrEnum
-from .transport import READ_ONLY_REASON, HostMaps, Transport, pinned_by_levers, tensor_nbytes
+from .transport import READ_ONLY_REASON, HostMaps, Transport, pinned_by_levers, pinned_bytes_by_levers, tensor_nbytes
 
 GIB = 1024 ** 3
 
@@ -101,6 +101,38 @@ def pin_decision(pinned_set_bytes: int, available_ram_bytes: int | None, os_name
                        f"{gib(pinned_set_bytes)}: pinned pages cannot be swapped out")
     return True, (f"available RAM {gib(available_ram_bytes)} >= {RAM_COVER_FACTOR:g}x the pinned set "
                   f"{gib(pinned_set_bytes)}")
+
+
+def arena_pin_decision(mode: PinMode | str, nbytes: int, has_cuda: bool, *, replaced_bytes: int = 0,
+                       mapped_bytes: int = 0, levers_pinned_bytes: int | None = None,
+                       available_ram_bytes: int | None = None, total_ram_bytes: int | None = None,
+                       os_name: str | None = None) -> tuple[bool, str]:
+    """Should a streaming host arena of ``nbytes`` be page-locked? Returns (pin, reason).
+
+    ``auto`` is seed 002's rule (``pin_decision``) over everything Levers would then hold page-locked in this
+    process: the ranges it pinned already (PhaseOffload's masters, other arenas), less ``replaced_bytes`` of them
+    that the arena takes over (pinned masters of the weights it streams), plus the arena. Available RAM leaves out
+    ``mapped_bytes`` of weights read from read-only file mappings: the OS counts those pages as available page
+    cache, and their copy in the arena is unswappable RAM. ``on`` pins regardless (still failing soft); ``off``
+    never pins. RAM and the OS are read here unless given."""
+    mode = PinMode.parse(mode, "pin")
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    if mode is PinMode.OFF:
+        return False, "pageable: pin = off"
+    if not has_cuda:
+        return False, "pageable: no CUDA device, nothing DMAs from pinned memory"
+    if mode is PinMode.ON:
+        return True, "pin = on"
+    held = max(0, (pinned_bytes_by_levers() if levers_pinned_bytes is None else levers_pinned_bytes)
+               - replaced_bytes)
+    if available_ram_bytes is None and total_ram_bytes is None:
+        available_ram_bytes, total_ram_bytes = host_memory()
+    if available_ram_bytes is not None:
+        available_ram_bytes = max(0, available_ram_bytes - mapped_bytes)
+    ok, reason = pin_decision(held + nbytes, available_ram_bytes, os_name or os_kind(), True, total_ram_bytes)
+    if held:
+        reason += f" (the arena's {gib(nbytes)} + {gib(held)} Levers holds pinned already)"
+    return ok, reason if ok else f"pageable: {reason}"
 
 
 # --- storage groups ------------------------------------------------------------------------------

@@ -191,10 +191,13 @@ class HostStore:
     """
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
-                 exclude: frozenset[int] = frozenset(), packed: bool = False):
+                 exclude: frozenset[int] = frozenset(), packed: bool = False, unpinned_reason: str = ""):
         """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
         them); they are neither streamed nor counted in this engine's budget. ``packed``: also keep
-        the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead."""
+        the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead.
+        ``unpinned_reason``: why ``pin`` is False (the report's line)."""
+        self._unpinned_reason = unpinned_reason or "pinning disabled"
+        self._pin = pin
         self.exclude = frozenset(exclude)
         self.excluded_bytes = 0
         self.block_names = [n for n, _ in blocks]
@@ -325,7 +328,7 @@ class HostStore:
                 self.arenas[dtype] = arena
                 if self._pack_wanted and dtype in PACKABLE:
                     continue   # its packed form is what streams, so that is what gets pinned (pack_arenas)
-                self.pin_results[dtype] = transport.pin(arena) if pin else PinResult(False, "pinning disabled")
+                self.pin_results[dtype] = transport.pin(arena) if pin else PinResult(False, self._unpinned_reason)
                 if self.pin_results[dtype].pinned:
                     self._pinned_arenas.append(arena)
             for e in self.entries:
@@ -392,7 +395,7 @@ class HostStore:
 
     def _pin_planes(self, pk: PackedArena, transport: Transport, pin: bool) -> PinResult:
         if not pin:
-            return PinResult(False, "pinning disabled")
+            return PinResult(False, self._unpinned_reason)
         bad = None
         for t in (t for t in pk.planes() if t.numel()):
             r = transport.pin(t)
@@ -493,7 +496,7 @@ class HostStore:
     def pin_arenas(self, transport: Transport) -> None:
         """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored."""
         for dtype, arena in self.arenas.items():
-            if self._needs_pinning and not self.arena_pinned(dtype) and arena.numel():
+            if self._pin and self._needs_pinning and not self.arena_pinned(dtype) and arena.numel():
                 if transport.pin(arena).pinned:
                     self._pinned_arenas.append(arena)
 

@@ -1020,3 +1020,62 @@ def test_a_run_at_another_size_keeps_the_host_copy_while_its_layout_fits(comfy_e
     st, again = run(b1)                                  # the layout built for b3 no longer fits b1: rebuilt
     assert again is not rebuilt and st.last_stats["streamed_bytes_per_forward"] == s1
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)
+
+
+def test_the_host_copy_is_pinned_by_the_ram_rule_counting_what_levers_holds_pinned(comfy_env, tiny_wan, monkeypatch):
+    """pin = auto decides the streamed blocks' host copy by the RAM rule (as Recommend and PhaseOffload): RAM
+    figures and a CUDA device stood in, a range Levers pinned elsewhere counts, pinned masters of the streamed
+    weights themselves (PhaseOffload before the node) do not; pin = off is reported as such."""
+    from types import SimpleNamespace
+
+    from comfyui_levers.bridge import prefetch as bp
+    from comfyui_levers.core.residency import pinned, transport as tr
+
+    model = tiny_wan.load_model()
+    _, _, st = _prefetch(comfy_env, model)
+    session = bp._Session(st, model, None)
+    streamed = session.streamed_bytes
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(pinned, "host_memory", lambda: (3 * streamed, 64 * 2 ** 30))
+    assert session._pin_arena(cuda, session.tails)[0]
+    # another 2x the arena pinned by Levers elsewhere (a text encoder's masters): 3x the arena is under 2x of that
+    other = torch.empty(2 * streamed, dtype=torch.uint8)
+    monkeypatch.setitem(tr._REGISTERED, other.data_ptr(), [other.numel(), 1])
+    ok, why = session._pin_arena(cuda, session.tails)
+    assert not ok and "Levers holds pinned already" in why, why
+    # ... but if that range is the streamed weights' own masters, the arena takes it over
+    monkeypatch.delitem(tr._REGISTERED, other.data_ptr())
+    masters = {x.data_ptr(): x.numel() * x.element_size() for _, b in session.streamed for x in b.parameters()}
+    monkeypatch.setattr(tr, "_REGISTERED", {p: [n, 1] for p, n in masters.items()})
+    monkeypatch.setattr(tr, "_STARTS", sorted(masters))
+    assert tr.pinned_bytes_by_levers() >= streamed
+    assert session._pin_arena(cuda, session.tails)[0]
+    # and weights in a read-only file mapping take their bytes out of the available RAM
+    monkeypatch.setattr(tr, "_REGISTERED", {})
+    monkeypatch.setattr(tr, "_STARTS", [])
+    monkeypatch.setattr(bp.HostMaps, "recent", classmethod(lambda cls, max_age_s=0.0: SimpleNamespace(
+        writable=lambda ptr, n: False)))
+    monkeypatch.setattr(pinned, "host_memory", lambda: (int(2.5 * streamed), 64 * 2 ** 30))
+    ok, why = session._pin_arena(cuda, session.tails)
+    assert not ok and "cannot be swapped out" in why, why
+    # pin = off, through the node, in a real run: bit-identical and reported
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    clone, report, st = _prefetch(comfy_env, tiny_wan.load_model(), pin="off")
+    assert "pin off" in report
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert "not pinned: pageable: pin = off" in st.last_report, st.last_report
+
+
+def test_a_plan_that_streams_the_model_decides_its_pinning_on_auto():
+    from types import SimpleNamespace
+
+    from comfyui_levers.bridge.prefetch import plan_pin
+    from comfyui_levers.core.residency.pinned import PinMode
+
+    streams = lambda pin: SimpleNamespace(diffusion_model=SimpleNamespace(streaming=object(), pin=pin))  # noqa: E731
+    assert plan_pin(streams(True), "auto") == (PinMode.ON, "the plan's")
+    assert plan_pin(streams(False), "auto") == (PinMode.OFF, "the plan's")
+    assert plan_pin(streams(False), "on") == (PinMode.ON, "")              # the node's setting wins
+    whole = SimpleNamespace(diffusion_model=SimpleNamespace(streaming=None, pin=False))
+    assert plan_pin(whole, "auto") == (PinMode.AUTO, "")                   # no host copy planned: the RAM rule
+    assert plan_pin(None, "auto") == (PinMode.AUTO, "")
