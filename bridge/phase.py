@@ -97,6 +97,9 @@ class PhaseSettings:
     pin_budget_bytes: int | None = None
     # components a plan keeps on the GPU across phases: no other phase releases them, and they get no host master
     resident: tuple[str, ...] = ()
+    # components whose masters stay pageable while the others are pinned (a plan the RAM rule let pin only part of
+    # its host copies); the second expert follows the diffusion model
+    pageable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pin", PinMode.parse(self.pin, "pin"))
@@ -106,6 +109,11 @@ class PhaseSettings:
             raise ConfigError("resident", bad, "diffusion_model, text_encoder or vae",
                               "The experts of a two-expert model always take turns.")
         object.__setattr__(self, "resident", resident)
+        pageable = tuple(str(n) for n in self.pageable)
+        bad = [n for n in pageable if n not in ("diffusion_model", "text_encoder", "vae")]
+        if bad:
+            raise ConfigError("pageable", bad, "diffusion_model, text_encoder or vae")
+        object.__setattr__(self, "pageable", pageable)
         p = str(self.text_encoder_precision).strip().lower()
         if p not in TE_PRECISIONS:
             raise ConfigError("text_encoder_precision", self.text_encoder_precision, ", ".join(TE_PRECISIONS),
@@ -581,7 +589,12 @@ class PhaseGroup:
     def store_for(self, transport) -> PinnedStore:
         key = transport.name
         if key not in self._stores:
-            store = PinnedStore(transport, self.settings.pin, self.settings.pin_budget_bytes)
+            pageable = set(self.settings.pageable) | ({"diffusion_model_2"} if "diffusion_model" in
+                                                      self.settings.pageable else set())
+            why = ("pageable: the plan pins only the other components' host copies (the RAM rule refuses the "
+                   "whole set)")
+            store = PinnedStore(transport, self.settings.pin, self.settings.pin_budget_bytes,
+                                pageable={n: why for n in pageable})
             self._stores[key] = store
             # unregister page-locked masters when the group goes away (before their memory is freed)
             self._finalizers.append(weakref.finalize(self, store.unpin_all))
@@ -963,7 +976,8 @@ def ledger_destinations(group: PhaseGroup) -> list[str]:
 def report_text(group: PhaseGroup) -> str:
     """The STRING output: settings, pin outcomes, per-phase ledger, and what ComfyUI already does."""
     led = group.ledger()
-    lines = ["Levers PhaseOffload", f"pin: {group.settings.pin}  text encoder precision: "
+    pageable = f" (pageable: {', '.join(group.settings.pageable)})" if group.settings.pageable else ""
+    lines = ["Levers PhaseOffload", f"pin: {group.settings.pin}{pageable}  text encoder precision: "
              f"{group.settings.text_encoder_precision}"]
     for name, c in led["components"].items():
         pin = c["pin"]

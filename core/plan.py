@@ -454,12 +454,13 @@ class _Candidate:
     extra: float
     total_seconds: float
     loss: float
-    move_seconds: float = 0.0   # the part of ``extra`` that copies whole components to the GPU (phase loads, expert
-                                # swaps, the text encoder's load), timed at the pinned bandwidth; streaming is the DiT's
+    # the parts of ``extra`` that copy whole components to the GPU (phase loads, expert swaps, the text encoder's
+    # load), timed at the pinned bandwidth, per component: diffusion model, text encoder, VAE (streaming is the DiT's)
+    move_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # decided by ``_with_pinning`` before the goal chooses, so every candidate is timed at the bandwidth it will get
-    pin: bool = True
+    pinned: tuple[bool, bool, bool] = (False, False, False)    # per component, as ``host``
     pin_reason: str = ""
-    host: tuple[int, int, int] = (0, 0, 0)     # pinned-set bytes: diffusion model, text encoder, VAE
+    host: tuple[int, int, int] = (0, 0, 0)     # host-copy bytes: diffusion model, text encoder, VAE
     streaming: Streaming | None = None         # the DiT's streaming, retimed when its copies are pageable
 
 
@@ -508,15 +509,14 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
         else:
             loads = spec.experts - 1 if dit.residency is Residency.PHASE else spec.experts
             moves += loads * dit.weight_bytes / bw_pin
-    if vae_res is Residency.PHASE:
-        moves += vae_w / bw_pin
+    vae_move = vae_w / bw_pin if vae_res is Residency.PHASE else 0.0
     te_move = te.extra_seconds if te.residency is Residency.PHASE else 0.0    # on the CPU its seconds are compute
-    extra = dit.extra_seconds_per_gen + te.extra_seconds + moves
+    extra = dit.extra_seconds_per_gen + te.extra_seconds + moves + vae_move
     if tiling is not None:      # the overlap the tiles decode twice (chunks that carry their state: none)
         extra += wl.batch * vae_decode_seconds(spec, wl, machine) * (tiling_work(spec, wl, tiling) - 1.0)
     total = dit.step_seconds * wl.steps + extra
     loss = LOSS_RANK[dit.precision] + te.loss + (MODULATION_LOSS if dit.quantize_modulation else 0.0)
-    return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss, moves + te_move)
+    return _Candidate(dit, te, vae_res, tiling, vae_peak, peak, extra, total, loss, (moves, te_move, vae_move))
 
 
 def _choose(cands: list[_Candidate], goal: Goal) -> _Candidate:
@@ -702,18 +702,46 @@ def _te_reason(best: _Candidate, cands: list[_Candidate], in_ram: list[_Candidat
 
 def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
     """``c`` with seed 002's pin decision for its host copies, and its seconds at the bandwidth that gives: pageable
-    copies are slower, so the copies among the extra seconds are rescaled (the text encoder's load too; not a CPU
-    encode or a tiled decode's recompute), and a streamed DiT's copies are timed at the pageable bandwidth (a copy
-    that hides when pinned may not hide any more). Decided before the goal chooses: a plan that is fastest only
-    at the pinned bandwidth it will not get must not win."""
+    copies are slower, so a component's copies among the extra seconds are rescaled when its copy is pageable (the
+    text encoder's load too; not a CPU encode or a tiled decode's recompute), and a streamed DiT's copies are timed
+    at the pageable bandwidth (a copy that hides when pinned may not hide any more). Decided per component: when
+    the rule refuses the whole set, the subset it allows that saves the most seconds is pinned (the streamed DiT's
+    copies repeat every step; a text encoder's once per prompt). Decided before the goal chooses: a plan that is
+    fastest only at the pinned bandwidth it will not get must not win."""
     vae_w = int(spec.vae_params * (2 if machine.gpu.bf16 else 4))
     host = (c.dit.weight_bytes * spec.experts if _dit_moves(spec, c) else 0,
             c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
             vae_w if c.vae_residency is Residency.PHASE else 0)
-    pin, pin_reason = pin_rule(sum(host), machine)
+    ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
+    whole_ok, whole_reason = pin_rule(sum(host), machine)
+    best = None
+    for mask in itertools.product((True, False), repeat=3):
+        if any(m and not h for m, h in zip(mask, host)):
+            continue                       # only a host copy can be pinned
+        pinned_set = sum(h for m, h in zip(mask, host) if m)
+        if pinned_set and not (whole_ok if mask == tuple(bool(h) for h in host) else pin_rule(pinned_set, machine)[0]):
+            continue
+        extra, streaming = _pinned_seconds(wl, machine, c, mask, host, ratio)
+        key = (extra, -pinned_set)         # the fewest seconds; at a tie, pin more (the rule allows it)
+        if best is None or key < best[0]:
+            best = (key, mask, extra, streaming)
+    _, mask, extra, streaming = best
+    if all(m or not h for m, h in zip(mask, host)):
+        reason = whole_reason
+    elif not any(mask):
+        reason = whole_reason
+    else:
+        names = " and ".join(n for n, m in zip(("diffusion model", "text encoder", "VAE"), mask) if m)
+        reason = (f"{names} pinned: {pin_rule(sum(h for m, h in zip(mask, host) if m), machine)[1]}; the rest "
+                  f"pageable, as the whole set would not be: {whole_reason}")
+    return replace(c, extra=extra, total_seconds=c.dit.step_seconds * wl.steps + extra, pinned=mask,
+                   pin_reason=reason, host=host, streaming=streaming)
+
+
+def _pinned_seconds(wl, machine, c: _Candidate, mask, host, ratio) -> tuple[float, Streaming | None]:
+    """``c``'s extra seconds (and the DiT's streaming) with the host copies in ``mask`` pinned, the rest pageable."""
     extra, streaming = c.extra, c.dit.streaming
-    if not pin and sum(host):
-        ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
+    if host[0] and not mask[0]:
         dit_extra = c.dit.extra_seconds_per_gen * ratio
         if streaming is not None:
             bw = max(0.1, machine.bandwidth.pageable_gbps) * 1e9
@@ -723,9 +751,11 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
             n_streamed = streaming.n_blocks - streaming.resident_groups * streaming.blocks_per_group
             dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
                                        - c.dit.step_seconds * n_streamed / streaming.n_blocks)
-        extra = c.extra - c.dit.extra_seconds_per_gen + c.move_seconds * (ratio - 1) + dit_extra
-    return replace(c, extra=extra, total_seconds=c.dit.step_seconds * wl.steps + extra, pin=pin,
-                   pin_reason=pin_reason, host=host, streaming=streaming)
+        extra += dit_extra - c.dit.extra_seconds_per_gen
+    for part, h, m in zip(c.move_parts, host, mask):
+        if h and not m:
+            extra += part * (ratio - 1)
+    return extra, streaming
 
 
 def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict, withheld=0, te_reason="",
@@ -734,8 +764,10 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     bf16 = gpu.bf16
     vae_w = int(spec.vae_params * (2 if bf16 else 4))
     host = dict(zip((Component.DIFFUSION_MODEL, Component.TEXT_ENCODER, Component.VAE), c.host))
-    pin = c.pin
-    notes.append(f"pinning: {'on' if pin else 'off'} ({c.pin_reason})")
+    moving = [m for m, h in zip(c.pinned, c.host) if h]
+    notes.append(f"pinning: {'on' if moving and all(moving) else 'off' if not any(moving) else 'partial'} "
+                 f"({c.pin_reason})")
+    pin = dict(zip((Component.DIFFUSION_MODEL, Component.TEXT_ENCODER, Component.VAE), c.pinned))
     extra, streaming = c.extra, c.streaming
     dit_notes = []
     if c.dit.precision.is_quantized and stored_precision(spec) is None:     # QuantizeDiT's census, not a file's
@@ -781,7 +813,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                          "(start ComfyUI with --disable-dynamic-vram to use it instead); a model ComfyUI loads the "
                          "legacy way (ComfyUI-GGUF, TorchCompileModel, QuantizeDiT's output) GroupPrefetch streams")
     dit_plan = ComponentPlan(Component.DIFFUSION_MODEL, c.dit.precision, gpu.device, c.dit.residency,
-                             pin and host[Component.DIFFUSION_MODEL] > 0, c.dit.weight_bytes, c.dit.resident_bytes,
+                             pin[Component.DIFFUSION_MODEL], c.dit.weight_bytes, c.dit.resident_bytes,
                              streaming=streaming, notes=tuple(dit_notes),
                              quantize_modulation=c.dit.quantize_modulation)
     te_notes = [c.te.note] if c.te.note else []
@@ -790,7 +822,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
     if c.te.precision is Precision.FP8_E4M3FN:
         te_notes.append(f"fp8 text encoder (as ComfyUI's *_fp8_e4m3fn text-encoder files): {te_reason}")
     te_plan = ComponentPlan(Component.TEXT_ENCODER, c.te.precision, c.te.device, c.te.residency,
-                            pin and host[Component.TEXT_ENCODER] > 0, c.te.weight_bytes,
+                            pin[Component.TEXT_ENCODER], c.te.weight_bytes,
                             c.te.gpu_bytes if c.te.device == gpu.device else (c.te.weight_bytes if c.te.device != "cpu" else 0),
                             notes=tuple(te_notes))
     vae_notes = []
@@ -807,7 +839,7 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                             if spec.is_video and spec.vae_whole_video else "")
                          + f" -> peak {t.peak_bytes / GiB:.2f} GiB instead of {vae_decode_bytes(spec, wl) / GiB:.2f} GiB")
     vae_plan = ComponentPlan(Component.VAE, Precision.BF16 if bf16 else Precision.FP32, gpu.device, c.vae_residency,
-                             pin and host[Component.VAE] > 0, vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))
+                             pin[Component.VAE], vae_w, vae_w, tiling=c.tiling, notes=tuple(vae_notes))
     host_need, room = _host_need(spec, machine, c), host_room(machine)
     if room is not None and host_need > room:
         notes.append(f"host RAM: {room / GiB:.1f} GiB free for host copies (of {machine.ram_available_bytes / GiB:.1f} "

@@ -20,6 +20,7 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
     """Node inputs; settings left on auto take the plan's per-component device / pin / precision, and the
     components the plan keeps resident stay on the GPU across phases."""
     resident: tuple[str, ...] = ()
+    pageable: tuple[str, ...] = ()
     if plan is not None:
         def planned(name):
             try:
@@ -30,18 +31,21 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
         model_device = dm.device if model_device == "auto" and dm is not None else model_device
         text_encoder_device = te.device if text_encoder_device == "auto" and te is not None else text_encoder_device
         vae_device = va.device if vae_device == "auto" and va is not None else vae_device
-        # the plan pins the host copies of the components that move (one decision for the set); one it keeps
-        # resident stays on the GPU across phases and has no host copy to pin
+        # the plan pins the host copies of the components that move (all, or the part the RAM rule allows); one it
+        # keeps resident stays on the GPU across phases and has no host copy to pin
         moving = [c for c in (dm, te, va) if c is not None and c.residency in (Residency.PHASE, Residency.STREAMED)]
         if pin == "auto" and moving:
             pin = "on" if any(c.pin for c in moving) else "off"
+            if pin == "on":
+                pageable = tuple(str(c.name) for c in moving if not c.pin)
         experts = getattr(plan, "experts", 1) > 1               # experts always take turns on the GPU
         resident = tuple(str(c.name) for c in (dm, te, va) if c is not None and c.residency is Residency.RESIDENT
                          and not (c is dm and experts))
         if text_encoder_precision == "auto" and te is not None and str(te.precision) in ("fp32", "bf16", "fp16"):
             text_encoder_precision = str(te.precision)
     return PhaseSettings(model_device=model_device, text_encoder_device=text_encoder_device, vae_device=vae_device,
-                         pin=pin, text_encoder_precision=text_encoder_precision, resident=resident)
+                         pin=pin, text_encoder_precision=text_encoder_precision, resident=resident,
+                         pageable=pageable)
 
 
 class LeversPhaseOffload(io.ComfyNode):

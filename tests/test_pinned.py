@@ -137,6 +137,17 @@ def test_store_pins_once_and_releases_exactly_its_own():
     assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
 
 
+def test_a_component_the_plan_leaves_pageable_is_never_pinned_while_the_others_are():
+    tr = PinningTransport()
+    store = PinnedStore(tr, "on", None, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB, os_name="linux",
+                        has_cuda=True, pageable={"diffusion_model": "pageable: the plan pins only the others"})
+    dit, te = _groups(), _groups()
+    out = store.pin_component("diffusion_model", dit)
+    assert not out.pinned and out.reason == "pageable: the plan pins only the others" and not tr.pinned
+    assert store.pin_component("text_encoder", te).pinned and len(tr.pinned) == 3
+    assert store.pinned_bytes == sum(g.nbytes for g in te)
+
+
 def test_store_fails_soft_and_rolls_back():
     tr = PinningTransport(fail_after=2)
     store = _store(tr)

@@ -305,8 +305,10 @@ class PinnedStore:
     def __init__(self, transport: Transport, mode: PinMode | str = PinMode.AUTO,
                  budget_bytes: int | None = None, *, available_ram_bytes: int | None = None,
                  total_ram_bytes: int | None = None, os_name: str | None = None,
-                 has_cuda: bool | None = None) -> None:
+                 has_cuda: bool | None = None, pageable: dict[str, str] | None = None) -> None:
+        """``pageable``: components never pinned here, each with the reason (a plan that pins the others)."""
         self.transport = transport
+        self.pageable = dict(pageable or {})
         self.mode = PinMode.parse(mode, "pin")
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"pin budget_bytes={budget_bytes} must be >= 0 (or None for the RAM rule)")
@@ -430,6 +432,8 @@ class PinnedStore:
         copied out of read-only memory (they take RAM the rule would otherwise count as available)."""
         if self.mode is PinMode.OFF:
             return PinOutcome(component, False, "pageable: pinning is off", total, already)
+        if component in self.pageable:
+            return PinOutcome(component, False, self.pageable[component], total, already)
         if need == 0:
             if ours:
                 return PinOutcome(component, True, "pinned in place", total, already)

@@ -574,10 +574,24 @@ def test_the_plans_pinning_reaches_the_components_that_move(comfy_env):
     # with pin on, PhaseOffload pinned a UNet master the plan never counted, 13 of 16 GiB of RAM for SD3.5)
     assert settings.pin == "on" and settings.resident == ("diffusion_model",)
     assert settings_from(p, "auto", "auto", "auto", "off", "auto").pin == "off"       # the widget wins
-    # a plan that pins nothing that moves (too little RAM) turns pinning off
-    tight = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=12, ram_gb=24, h2d_gbps=25))
+    # a plan that pins nothing that moves (WSL page-locks about 1 GiB: no host copy here fits) turns pinning off
+    from dataclasses import replace
+    wsl = replace(synthetic_machine(vram_gb=12, ram_gb=24, h2d_gbps=25), os="wsl")
+    tight = plan(get_preset("flux1-dev"), Workload(1024, 1024), wsl)
     assert not any(c.pin for c in tight.components)
     assert settings_from(tight, "auto", "auto", "auto", "auto", "auto").pin == "off"
+    # a plan the RAM rule lets pin only part of its host copies (FLUX streamed on 16 GiB with 40 GiB of RAM: the text
+    # encoder alone): pinning on, the streamed diffusion model's masters pageable
+    part = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=16, ram_gb=40, h2d_gbps=25))
+    assert part.text_encoder.pin and not part.diffusion_model.pin
+    settings = settings_from(part, "auto", "auto", "auto", "auto", "auto")
+    assert settings.pin == "on" and settings.pageable == ("diffusion_model",)
+    from comfyui_levers.bridge.phase import PhaseGroup, report_text
+    from comfyui_levers.core.residency.transport import CpuTransport
+    group = PhaseGroup(settings)
+    assert set(group.store_for(CpuTransport()).pageable) == {"diffusion_model", "diffusion_model_2"}
+    assert "pin: on (pageable: diffusion_model)" in report_text(group)
+    assert settings_from(part, "auto", "auto", "auto", "on", "auto").pageable == ()     # the widget wins
 
 
 def test_a_component_the_plan_keeps_resident_stays_on_the_gpu_across_phases(comfy_env, tiny_wan):
