@@ -148,6 +148,19 @@ def test_a_component_the_plan_leaves_pageable_is_never_pinned_while_the_others_a
     assert store.pinned_bytes == sum(g.nbytes for g in te)
 
 
+def test_the_ram_rule_counts_what_other_levers_owners_hold_pinned(monkeypatch):
+    """A PhaseOffload store on auto counts the pages GroupPrefetch's host copies (or another node's masters) hold
+    locked: the rule is about the process, not the store. An explicit pin budget stays the store's own."""
+    from comfyui_levers.core.residency import transport as tr
+    groups = _groups()
+    need = sum(g.nbytes for g in groups)
+    assert _store(PinningTransport(), avail=2 * need).pin_component("te", groups).pinned
+    monkeypatch.setattr(tr, "_REGISTERED", {1 << 40: [need, 1]})          # an arena someone else pinned
+    out = _store(PinningTransport(), avail=2 * need).pin_component("te", _groups())
+    assert not out.pinned and "cannot be swapped" in out.reason, out.reason
+    assert _store(PinningTransport(), budget=2 * need).pin_component("te", _groups()).pinned
+
+
 def test_store_fails_soft_and_rolls_back():
     tr = PinningTransport(fail_after=2)
     store = _store(tr)

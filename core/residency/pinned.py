@@ -450,7 +450,10 @@ class PinnedStore:
         avail = self.available_ram_bytes
         if avail is not None and copies:
             avail = max(0, avail - copies)
-        ok, reason = pin_decision(self.pinned_bytes + need, avail, self.os_name,
+        # the rule is about every page Levers locks in this process: other stores' masters and GroupPrefetch's host
+        # copies count too (an explicit pin budget stays this store's own)
+        held = self.pinned_bytes if self.budget_bytes is not None else max(self.pinned_bytes, pinned_bytes_by_levers())
+        ok, reason = pin_decision(held + need, avail, self.os_name,
                                   self.has_cuda, self.total_ram_bytes, self.budget_bytes)
         return None if ok else PinOutcome(component, False, f"pageable: {reason}", total, already)
 
