@@ -189,19 +189,23 @@ class SplitLayout:
 
     streamed: tuple[int, ...]          # indices of blocks with a non-empty head
     head_modules: frozenset[int]       # ids of the modules whose tensors stream
-    tail_tensors: frozenset[int]       # ids of block tensors ComfyUI loads
+    tail_tensors: frozenset[int]       # ids of block tensors ComfyUI loads (this run's objects)
     streamed_bytes: int
     cap: int
-    widest: int = 0                    # the largest head: what each device slot holds
+    widest: int                        # the largest head: what each device slot holds
+    cuts: tuple[int, ...]              # per block: how many of its leaf modules stream (the layout, by structure)
+    tail_modules: frozenset[int]       # ids of the modules ComfyUI loads (modules outlive their parameters)
 
 
 @dataclass(frozen=True)
 class _Built:
-    """A layout a host copy was built for: ``k`` leading blocks loaded by ComfyUI (no split) or ``split``."""
+    """A layout a host copy was built for, by structure (ComfyUI replaces parameter objects when it patches or
+    moves a model, so their ids name nothing a run later): ``k`` leading blocks loaded by ComfyUI, or per-block
+    ``cuts`` of a split (with its ``cap``)."""
 
     k: int
-    split: SplitLayout | None
-    streamed_bytes: int
+    cuts: tuple[int, ...] | None
+    cap: int = 0
 
 
 def _split_need(other_bytes: int, block_bytes: int, streamed: int, widest: int, depth: int, cfg: PrefetchConfig,
@@ -212,10 +216,10 @@ def _split_need(other_bytes: int, block_bytes: int, streamed: int, widest: int, 
                + _staging(widest, cfg))
 
 
-def _store_ids(streamed, tails: frozenset[int], packed: bool, pin: PinMode) -> tuple:
-    """What a cached host copy was built for: the streamed blocks, the tails ComfyUI loads, packed or not, the pin
-    mode asked for."""
-    return tuple(id(b) for _, b in streamed), tails, packed, pin
+def _store_ids(streamed, tail_modules: frozenset[int], packed: bool, pin: PinMode) -> tuple:
+    """What a cached host copy was built for: the streamed blocks, the tail modules ComfyUI loads, packed or not,
+    the pin mode asked for."""
+    return tuple(id(b) for _, b in streamed), tail_modules, packed, pin
 
 
 def _own_bytes(m: nn.Module) -> int:
@@ -230,7 +234,24 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
     A block's head is its non-leaf own tensors (ComfyUI never loads those per module) plus its
     leading leaf modules (registration order) up to the cap; the tail is the rest. Streamed bytes
     only grow with the cap, so the first cap that fits streams the fewest bytes."""
-    parts = []   # per block: (modules with own tensors that always stream, leaf modules in order, head sizes)
+    parts = _block_parts(blocks)
+    total_blocks = sum(hs[-1] for _, _, hs in parts)
+    for cap in sorted({h for _, _, hs in parts for h in hs if h > 0}):
+        cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
+        heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
+        streamed = sum(heads)
+        need = _split_need(other_bytes, total_blocks, streamed, max(heads), depth, cfg, n_dtypes, max_tensors)
+        if need > budget:
+            continue
+        cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
+        return _split_at(parts, cuts, cap)
+    return None
+
+
+def _block_parts(blocks) -> list:
+    """Per block: (modules with own tensors that always stream, leaf modules in order, head sizes), where head
+    size ``k`` is the bytes the block streams when its first ``k`` leaf modules do."""
+    parts = []
     for _, block in blocks:
         fixed, leaves = [], []
         for m in block.modules():
@@ -243,24 +264,21 @@ def _split_blocks(blocks, other_bytes: int, budget: float, depth: int,
         for _, nbytes in leaves:
             heads.append(heads[-1] + nbytes)
         parts.append((fixed, leaves, heads))
-    total_blocks = sum(hs[-1] for _, _, hs in parts)
-    for cap in sorted({h for _, _, hs in parts for h in hs if h > 0}):
-        cuts = [bisect.bisect_right(hs, cap) - 1 if hs[0] <= cap else 0 for _, _, hs in parts]   # hs grows with k
-        heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
-        streamed = sum(heads)
-        need = _split_need(other_bytes, total_blocks, streamed, max(heads), depth, cfg, n_dtypes, max_tensors)
-        if need > budget:
-            continue
-        cuts = spend_leftover([hs for _, _, hs in parts], cuts, budget - need, depth)   # as the engine does
-        heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
-        streamed = sum(heads)
-        head_mods, tails = set(), set()
-        for (fixed, leaves, _), k in zip(parts, cuts):
-            head_mods.update(id(m) for m, _ in fixed + leaves[:k])
-            tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
-        idx = tuple(b for b, h in enumerate(heads) if h)
-        return SplitLayout(idx, frozenset(head_mods), frozenset(tails), streamed, cap, max(heads))
-    return None
+    return parts
+
+
+def _split_at(parts, cuts, cap: int) -> SplitLayout:
+    """The split streaming each block's first ``cuts[b]`` leaf modules (with its fixed part), from the modules and
+    parameters the blocks hold now."""
+    heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
+    head_mods, tail_mods, tails = set(), set(), set()
+    for (fixed, leaves, _), k in zip(parts, cuts):
+        head_mods.update(id(m) for m, _ in fixed + leaves[:k])
+        tail_mods.update(id(m) for m, _ in leaves[k:])
+        tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
+    idx = tuple(b for b, h in enumerate(heads) if h)
+    return SplitLayout(idx, frozenset(head_mods), frozenset(tails), sum(heads), cap, max(heads), tuple(cuts),
+                       frozenset(tail_mods))
 
 
 class _Session:
@@ -339,26 +357,31 @@ class _Session:
         the streamed bytes in host RAM while it is built, and seconds to copy and pin it, every time the size
         alternates. Only the auto layout moves: a resident_groups set on the node is the layout."""
         built, cached = _BUILT.get(self.root), _STORES.get(self.root)
+        now = (self.k, self.split.cuts if self.split is not None else None)
         if (built is None or cached is None or cfg.resident_groups != AUTO or math.isinf(self.budget)
-                or not self.streamed or (built.k, built.split) == (self.k, self.split)):
+                or not self.streamed or (built.k, built.cuts) == now):
             return
-        if built.split is None:
+        split = None
+        if built.cuts is None:
             streamed = sum(self.sizes[built.k:])
             need = _layout_need(self.sizes, other, built.k, cfg, n_dtypes, block_tensors)
             ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed, self.state.request.pin)
         elif split_ok:
-            split = built.split
+            parts = _block_parts(self.layout.blocks)
+            if len(parts) != len(built.cuts):
+                return
+            split = _split_at(parts, built.cuts, built.cap)
             streamed = split.streamed_bytes
-            need = _split_need(other, sum(self.sizes), streamed, split.widest, depth, cfg, n_dtypes,
-                               max(block_tensors, default=0))
-            ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_tensors, cfg.packed,
+            need = _split_need(other, sum(hs[-1] for _, _, hs in parts), streamed, split.widest, depth, cfg,
+                               n_dtypes, max(block_tensors, default=0))
+            ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_modules, cfg.packed,
                              self.state.request.pin)
         else:
             return
         if need > self.budget or streamed > (1 + KEEP_SLACK) * self.streamed_bytes or cached[0] != ids:
             return
         self.kept_extra = max(0, streamed - self.streamed_bytes)
-        self._use(built.k, built.split)
+        self._use(built.k, split)
 
     @property
     def tails(self) -> frozenset[int]:
@@ -590,8 +613,11 @@ class _Session:
         tails = self.tails
         cfg = self.state.request.config
         packed = cfg.packed and packing_supported(transport.device)[0]
-        ids = _store_ids(self.streamed, tails, packed, self.state.request.pin)
-        _BUILT[self.root] = _Built(self.k, self.split, self.streamed_bytes)
+        split = self.split
+        ids = _store_ids(self.streamed, split.tail_modules if split is not None else frozenset(), packed,
+                         self.state.request.pin)
+        _BUILT[self.root] = _Built(self.k, split.cuts if split is not None else None,
+                                   split.cap if split is not None else 0)
         cached = _STORES.get(self.root)
         before = _PATCHED.get(self.root, set())
         _PATCHED[self.root] = set(patched)
@@ -608,6 +634,9 @@ class _Session:
                 log.info("levers: GroupPrefetch rebuilds its host copies: %s", exc)
         if cached is not None:
             cached[1].restore(transport)
+            # the old copy's memory goes before the pin decision reads the available RAM
+            _STORES.pop(self.root, None)
+            cached = None
         pin, why = self._pin_arena(transport, tails)
         store = HostStore(self.streamed, transport, pin=pin, exclude=tails, packed=packed, unpinned_reason=why)
         _STORES[self.root] = (ids, store)
@@ -619,8 +648,9 @@ class _Session:
         (PhaseOffload's), and leaves out of the available RAM the weights read from read-only file mappings."""
         req = self.state.request
         has_cuda = torch.device(transport.device).type == "cuda"
-        if req.pin is not PinMode.AUTO or not has_cuda:
-            pin, why = arena_pin_decision(req.pin, self.streamed_bytes, has_cuda)
+        mode = req.pin if req.config.pin else PinMode.OFF
+        if mode is not PinMode.AUTO or not has_cuda:
+            pin, why = arena_pin_decision(mode, self.streamed_bytes, has_cuda)
             return pin, (f"{why} ({req.pin_source} pinning)" if req.pin_source else why)
         seen: set[int] = set()
         replaced = mapped = 0

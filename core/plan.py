@@ -511,7 +511,7 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
             moves += loads * dit.weight_bytes / bw_pin
     vae_move = vae_w / bw_pin if vae_res is Residency.PHASE else 0.0
     te_move = te.extra_seconds if te.residency is Residency.PHASE else 0.0    # on the CPU its seconds are compute
-    extra = dit.extra_seconds_per_gen + te.extra_seconds + moves + vae_move
+    extra = dit.extra_seconds_per_gen + te.extra_seconds + (moves + vae_move)
     if tiling is not None:      # the overlap the tiles decode twice (chunks that carry their state: none)
         extra += wl.batch * vae_decode_seconds(spec, wl, machine) * (tiling_work(spec, wl, tiling) - 1.0)
     total = dit.step_seconds * wl.steps + extra
@@ -712,7 +712,8 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
     host = (c.dit.weight_bytes * spec.experts if _dit_moves(spec, c) else 0,
             c.te.weight_bytes if c.te.residency is Residency.PHASE else 0,
             vae_w if c.vae_residency is Residency.PHASE else 0)
-    ratio = machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps)
+    # pinned copies are never slower (a pageable figure above the pinned one is a measurement's noise)
+    ratio = max(1.0, machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps))
     whole_ok, whole_reason = pin_rule(sum(host), machine)
     best = None
     for mask in itertools.product((True, False), repeat=3):
@@ -739,23 +740,23 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
 
 
 def _pinned_seconds(wl, machine, c: _Candidate, mask, host, ratio) -> tuple[float, Streaming | None]:
-    """``c``'s extra seconds (and the DiT's streaming) with the host copies in ``mask`` pinned, the rest pageable."""
-    extra, streaming = c.extra, c.dit.streaming
-    if host[0] and not mask[0]:
-        dit_extra = c.dit.extra_seconds_per_gen * ratio
-        if streaming is not None:
-            bw = max(0.1, machine.bandwidth.pageable_gbps) * 1e9
-            t_block = streaming.block_bytes / bw
-            streaming = replace(streaming, transfer_seconds_per_block=t_block,
-                                hides_transfer=t_block <= streaming.compute_seconds_per_block)
-            n_streamed = streaming.n_blocks - streaming.resident_groups * streaming.blocks_per_group
-            dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
-                                       - c.dit.step_seconds * n_streamed / streaming.n_blocks)
-        extra += dit_extra - c.dit.extra_seconds_per_gen
-    for part, h, m in zip(c.move_parts, host, mask):
-        if h and not m:
-            extra += part * (ratio - 1)
-    return extra, streaming
+    """``c``'s extra seconds (and the DiT's streaming) with the host copies in ``mask`` pinned, the rest pageable.
+    Summed in the order the set-wide decision summed them, so all-pinned and all-pageable give its exact numbers."""
+    dit, te, vae = (part if h and not m else 0.0 for part, h, m in zip(c.move_parts, host, mask))
+    moved = (dit + vae) + te
+    if not (host[0] and not mask[0]):
+        return c.extra + moved * (ratio - 1), c.dit.streaming
+    streaming = c.dit.streaming
+    dit_extra = c.dit.extra_seconds_per_gen * ratio
+    if streaming is not None:
+        bw = max(0.1, machine.bandwidth.pageable_gbps) * 1e9
+        t_block = streaming.block_bytes / bw
+        streaming = replace(streaming, transfer_seconds_per_block=t_block,
+                            hides_transfer=t_block <= streaming.compute_seconds_per_block)
+        n_streamed = streaming.n_blocks - streaming.resident_groups * streaming.blocks_per_group
+        dit_extra = wl.steps * max(0.0, streaming.streamed_bytes_per_step / bw
+                                   - c.dit.step_seconds * n_streamed / streaming.n_blocks)
+    return c.extra - c.dit.extra_seconds_per_gen + moved * (ratio - 1) + dit_extra, streaming
 
 
 def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdict, withheld=0, te_reason="",

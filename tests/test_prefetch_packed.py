@@ -527,3 +527,26 @@ def test_self_check_refuses_a_kernel_that_decodes_wrong():
         raise RuntimeError("ptxas failed")
 
     assert "ptxas failed" in P.self_check(torch.device("cpu"), launch=raises)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_restore_frees_the_host_copy_at_once(packed):
+    """A host copy given back (GroupPrefetch rebuilding it for another layout) must be freed before the new one is
+    decided and built: its pin decision reads the available RAM (found in review: the entries' views kept the old
+    arena alive, so the new copy looked short of RAM and stayed pageable)."""
+    import gc
+    import weakref
+
+    m = make_wan(mixed=True, n=4)                # bf16 and float blocks
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr = CpuTransport()
+    store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=packed)
+    arenas = [weakref.ref(a) for a in store.arenas.values()]
+    assert arenas and all(r() is not None for r in arenas)
+    store.restore(tr)
+    gc.collect()
+    assert all(r() is None for r in arenas), "the restored store still holds its arenas"
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)

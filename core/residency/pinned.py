@@ -432,13 +432,13 @@ class PinnedStore:
         copied out of read-only memory (they take RAM the rule would otherwise count as available)."""
         if self.mode is PinMode.OFF:
             return PinOutcome(component, False, "pageable: pinning is off", total, already)
-        if component in self.pageable:
-            return PinOutcome(component, False, self.pageable[component], total, already)
         if need == 0:
             if ours:
                 return PinOutcome(component, True, "pinned in place", total, already)
             return PinOutcome(component, bool(total), "already page-locked" if total else "nothing to pin",
                               total, already)
+        if component in self.pageable:
+            return PinOutcome(component, False, self.pageable[component], total, already)
         if not self.has_cuda:
             return PinOutcome(component, False, "pageable: no CUDA device, nothing DMAs from pinned memory",
                               total, already)

@@ -492,6 +492,10 @@ class HostStore:
         self.unpin(transport)
         self.arenas.clear()
         self._planes.clear()
+        # the entries' views are the last references to the arenas: dropping them frees the host copy now
+        self.entries.clear()
+        self.by_block = [[] for _ in self.by_block]
+        self._fingerprints.clear()
 
     def pin_arenas(self, transport: Transport) -> None:
         """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored."""

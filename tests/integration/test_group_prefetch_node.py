@@ -1079,3 +1079,42 @@ def test_a_plan_that_streams_the_model_decides_its_pinning_on_auto():
     whole = SimpleNamespace(diffusion_model=SimpleNamespace(streaming=None, pin=False))
     assert plan_pin(whole, "auto") == (PinMode.AUTO, "")                   # no host copy planned: the RAM rule
     assert plan_pin(None, "auto") == (PinMode.AUTO, "")
+
+
+def test_a_split_layout_survives_comfyui_replacing_the_parameter_objects(comfy_env, tiny_wan):
+    """ComfyUI replaces parameter objects when it patches a LoRA in and out (``set_attr_param``) and whenever it
+    moves an fp8-scaled model (``_quantized_apply``). A split layout is therefore known by its structure: the next run
+    at the same budget reuses the host copy, and the tails it names are the parameters the blocks hold now (found in
+    review: the kept layout carried the first run's ids, which named no current parameter)."""
+    from comfyui_levers.bridge import prefetch as bp
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    dm = model.model.diffusion_model
+    total = module_bytes(dm)
+    auto = dict(resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1)
+    budget = None
+    for f in range(100, 200):
+        _, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=total * f / 200 / 1024 ** 3)
+        s = bp._Session(st, model, None)
+        if not s.too_small and s.split is not None:
+            budget = total * f / 200 / 1024 ** 3
+            break
+    assert budget is not None, "no budget gives a split layout"
+    clone, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    store = bp._STORES[dm][1]
+    old = []                                   # kept alive, so that no new parameter can take an old one's id
+    for m in dm.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                old.append(p)
+                m.register_parameter(name, torch.nn.Parameter(p.data, requires_grad=False))
+    clone, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget)
+    session = bp._Session(st, model, None)
+    current = {id(p) for p in dm.parameters()}
+    assert session.tails and session.tails <= current and session.kept_extra is None
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert bp._STORES[dm][1] is store, "the same layout must reuse the host copy"
+    assert "host copy kept" not in st.last_report
