@@ -666,8 +666,9 @@ class _Session:
                     n = tensor_nbytes(x)
                     replaced += n if pinned_by_levers(x) else 0
                     mapped += n if maps.writable(x.data_ptr(), n) is False else 0
-        return arena_pin_decision(PinMode.AUTO, self.streamed_bytes, True, replaced_bytes=replaced,
-                                  mapped_bytes=mapped)
+        pin, why = arena_pin_decision(PinMode.AUTO, self.streamed_bytes, True, replaced_bytes=replaced,
+                                      mapped_bytes=mapped)
+        return pin, why if pin else f"{why}; pin = on pins it anyway (each step's copies run at pageable speed now)"
 
     def _entries(self, store: HostStore, keys: set[str]) -> list:
         """The store entries holding these ``diffusion_model.``-prefixed weight keys."""
