@@ -1069,3 +1069,29 @@ def test_a_plan_that_does_not_fit_says_when_the_ram_is_short_too():
     p = plan(get_preset("hunyuanvideo-1.5"), Workload(832, 480, 81, cfg=False), machine(6, ram=16, capability=(7, 5)))
     assert not p.fits and p.host_bytes > 16 * GiB
     assert any(n.startswith("host RAM:") and "the RAM is short too" in n for n in p.notes), p.notes
+
+
+def test_a_partial_pin_times_each_component_at_its_own_bandwidth_and_ties_pin_what_the_rule_allows():
+    """One candidate (FLUX on 24 GiB: fp8 DiT and bf16 T5 as phases, VAE resident) under three pinnings: with
+    128 GiB of RAM both move pinned; with 40 GiB the rule allows the DiT alone, so only the T5's load moves at the
+    pageable bandwidth; where pageable copies would be as fast, nothing is slower pinned and the rule's most is
+    pinned (a pageable figure above the pinned one counts as equal)."""
+    from dataclasses import replace
+
+    from comfyui_levers.core import plan as P
+
+    spec, wl = get_preset("flux1-dev"), Workload(1024, 1024)
+    tight, roomy = machine(24, ram=40), machine(24, ram=128)
+    budget = tight.gpu.total_bytes - P.OVERHEAD_BYTES
+    _, cands = P._candidates(spec, wl, tight, budget, P.activation_bytes(spec, wl), [])
+    c = next(c for c in cands if (c.dit.precision, c.dit.residency, c.te.precision, c.te.residency, c.vae_residency)
+             == (Precision.FP8_E4M3FN, Residency.PHASE, Precision.BF16, Residency.PHASE, Residency.RESIDENT)
+             and not c.te.partial)
+    a, b = P._with_pinning(spec, wl, tight, c), P._with_pinning(spec, wl, roomy, c)
+    assert a.pinned == (True, False, False) and b.pinned == (True, True, False)
+    bw, bw_pin = tight.bandwidth.pageable_gbps * 1e9, tight.bandwidth.pinned_gbps * 1e9
+    assert a.extra - b.extra == pytest.approx(c.te.weight_bytes * (1 / bw - 1 / bw_pin), rel=1e-9)
+    assert b.extra == c.extra
+    fast = replace(tight, bandwidth=replace(tight.bandwidth, pageable_gbps=2 * tight.bandwidth.pinned_gbps))
+    s = P._with_pinning(spec, wl, fast, c)
+    assert s.pinned == (True, False, False) and s.extra == c.extra

@@ -1003,8 +1003,8 @@ def test_a_run_at_another_size_keeps_the_host_copy_while_its_layout_fits(comfy_e
     assert near and far, sweep
     (b2, s2), (b3, s3) = near[0], far[0]
 
-    def run(budget):
-        clone, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget / 1024 ** 3)
+    def run(budget, pin="auto"):
+        clone, _, st = _prefetch(comfy_env, model, **auto, vram_budget_gb=budget / 1024 ** 3, pin=pin)
         assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
         return st, bp._STORES[dm][1]
 
@@ -1014,6 +1014,10 @@ def test_a_run_at_another_size_keeps_the_host_copy_while_its_layout_fits(comfy_e
     assert kept is store and st.last_stats["streamed_bytes_per_forward"] == s1
     assert st.last_stats["host_copy_kept_extra_bytes"] == s1 - s2 > 0
     assert "host copy kept" in st.last_report, st.last_report
+    st, other = run(b2, pin="off")                       # a copy built for another pin mode is no copy to keep
+    assert other is not store and st.last_stats["streamed_bytes_per_forward"] == s2
+    assert st.last_stats["host_copy_kept_extra_bytes"] is None
+    st, store = run(b1)
     st, rebuilt = run(b3)                                # saves more than that: rebuilt for the new layout
     assert rebuilt is not store and st.last_stats["streamed_bytes_per_forward"] == s3
     assert st.last_stats["host_copy_kept_extra_bytes"] is None and "host copy kept" not in st.last_report
