@@ -161,6 +161,19 @@ def test_the_ram_rule_counts_what_other_levers_owners_hold_pinned(monkeypatch):
     assert _store(PinningTransport(), budget=2 * need).pin_component("te", _groups()).pinned
 
 
+def test_the_ram_rule_reads_the_ram_at_each_decision_not_when_the_store_is_made(monkeypatch):
+    """A PhaseOffload store is made when the node runs; its components are pinned at their first load, after other
+    models loaded (or left): the rule reads the available RAM then."""
+    need = sum(g.nbytes for g in _groups())
+    ram = [64 * need]
+    monkeypatch.setattr(pinned, "host_memory", lambda: (ram[0], 128 * GIB))
+    store = PinnedStore(PinningTransport(), "auto", os_name="linux", has_cuda=True)
+    assert store.pin_component("te", _groups()).pinned
+    ram[0] = 2 * need                        # a model loaded since: twice the next set no longer covers both
+    out = store.pin_component("vae", _groups())
+    assert not out.pinned and "cannot be swapped" in out.reason, out.reason
+
+
 def test_store_fails_soft_and_rolls_back():
     tr = PinningTransport(fail_after=2)
     store = _store(tr)

@@ -315,6 +315,9 @@ class PinnedStore:
         self.budget_bytes = budget_bytes
         avail, total = host_memory() if available_ram_bytes is None and total_ram_bytes is None else (None, None)
         self.available_ram_bytes = available_ram_bytes if available_ram_bytes is not None else avail
+        # RAM read here is read again at each decision (models load, other copies come and go between a node's run
+        # and the component's first load); figures given by the caller stand
+        self._reads_ram = available_ram_bytes is None and total_ram_bytes is None
         self.total_ram_bytes = total_ram_bytes if total_ram_bytes is not None else total
         self.os_name = os_name or os_kind()
         self.has_cuda = (transport.device.type == "cuda") if has_cuda is None else has_cuda
@@ -447,6 +450,8 @@ class PinnedStore:
                 return PinOutcome(component, False, f"pageable: pin budget {self.budget_bytes / GIB:.2f} GiB "
                                   f"is spent ({self.pinned_bytes / GIB:.2f} GiB pinned)", total, already)
             return None
+        if self._reads_ram:
+            self.available_ram_bytes = host_memory()[0]
         avail = self.available_ram_bytes
         if avail is not None and copies:
             avail = max(0, avail - copies)
