@@ -49,8 +49,8 @@ class LeversGroupPrefetch(io.ComfyNode):
             node_id="LeversGroupPrefetch",
             display_name="GroupPrefetch",
             category="Levers",
-            description="Keeps a prefix of the diffusion model's blocks in VRAM and streams the rest from pinned host "
-                        "memory each step, copying group i+1 while group i computes. ComfyUI loads only the resident "
+            description="Keeps a prefix of the diffusion model's blocks in VRAM and streams the rest from host memory "
+                        "(pinned when the RAM allows) each step, copying group i+1 while group i computes. ComfyUI loads only the resident "
                         "part, so its memory manager sees the true VRAM use. Output is bit-identical to the "
                         "unstreamed model. Stands aside for models ComfyUI DynamicVRAM streams itself.",
             inputs=[
