@@ -189,7 +189,6 @@ class SplitLayout:
 
     streamed: tuple[int, ...]          # indices of blocks with a non-empty head
     head_modules: frozenset[int]       # ids of the modules whose tensors stream
-    tail_tensors: frozenset[int]       # ids of block tensors ComfyUI loads (this run's objects)
     streamed_bytes: int
     cap: int
     widest: int                        # the largest head: what each device slot holds
@@ -271,14 +270,12 @@ def _split_at(parts, cuts, cap: int) -> SplitLayout:
     """The split streaming each block's first ``cuts[b]`` leaf modules (with its fixed part), from the modules and
     parameters the blocks hold now."""
     heads = [hs[k] for (_, _, hs), k in zip(parts, cuts)]
-    head_mods, tail_mods, tails = set(), set(), set()
+    head_mods, tail_mods = set(), set()
     for (fixed, leaves, _), k in zip(parts, cuts):
         head_mods.update(id(m) for m, _ in fixed + leaves[:k])
         tail_mods.update(id(m) for m, _ in leaves[k:])
-        tails.update(id(p) for m, _ in leaves[k:] for p in m.parameters(recurse=False))
     idx = tuple(b for b, h in enumerate(heads) if h)
-    return SplitLayout(idx, frozenset(head_mods), frozenset(tails), sum(heads), cap, max(heads), tuple(cuts),
-                       frozenset(tail_mods))
+    return SplitLayout(idx, frozenset(head_mods), sum(heads), cap, max(heads), tuple(cuts), frozenset(tail_mods))
 
 
 class _Session:
@@ -365,17 +362,17 @@ class _Session:
         if built.cuts is None:
             streamed = sum(self.sizes[built.k:])
             need = _layout_need(self.sizes, other, built.k, cfg, n_dtypes, block_tensors)
-            ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed, self.state.request.pin)
+            ids = _store_ids(self.layout.blocks[built.k:], frozenset(), cfg.packed, self._pin_mode())
         elif split_ok:
             parts = _block_parts(self.layout.blocks)
-            if len(parts) != len(built.cuts):
-                return
+            if len(parts) != len(built.cuts) or any(k >= len(hs) for (_, _, hs), k in zip(parts, built.cuts)):
+                return          # the blocks changed (another module patched in): not the layout built
             split = _split_at(parts, built.cuts, built.cap)
             streamed = split.streamed_bytes
             need = _split_need(other, sum(hs[-1] for _, _, hs in parts), streamed, split.widest, depth, cfg,
                                n_dtypes, max(block_tensors, default=0))
             ids = _store_ids([self.layout.blocks[b] for b in split.streamed], split.tail_modules, cfg.packed,
-                             self.state.request.pin)
+                             self._pin_mode())
         else:
             return
         if need > self.budget or streamed > (1 + KEEP_SLACK) * self.streamed_bytes or cached[0] != ids:
@@ -385,8 +382,14 @@ class _Session:
 
     @property
     def tails(self) -> frozenset[int]:
-        """Ids of the block tensors ComfyUI loads itself (the tails of split blocks; none without a split)."""
-        return self.split.tail_tensors if self.split is not None else frozenset()
+        """Ids of the block tensors ComfyUI loads itself (the tails of split blocks; none without a split), read
+        from the tail modules when asked: ComfyUI's load replaces parameter objects (fp8 layers at every move, a
+        LoRA'd weight when it patches), so ids taken before it loaded name nothing after."""
+        if self.split is None:
+            return frozenset()
+        mods = self.split.tail_modules
+        return frozenset(id(p) for _, b in self.streamed for m in b.modules() if id(m) in mods
+                         for p in m.parameters(recurse=False))
 
     # budget ----------------------------------------------------------------------------------
     def _budget(self, noise, guider=None) -> float:
@@ -615,7 +618,7 @@ class _Session:
         packed = cfg.packed and packing_supported(transport.device)[0]
         split = self.split
         ids = _store_ids(self.streamed, split.tail_modules if split is not None else frozenset(), packed,
-                         self.state.request.pin)
+                         self._pin_mode())
         _BUILT[self.root] = _Built(self.k, split.cuts if split is not None else None,
                                    split.cap if split is not None else 0)
         cached = _STORES.get(self.root)
@@ -633,6 +636,14 @@ class _Session:
                 # this store no longer describes the blocks; build a new one
                 log.info("levers: GroupPrefetch rebuilds its host copies: %s", exc)
         if cached is not None:
+            # a weight the old copy streamed that ComfyUI loads and patches now: its backup (the weight ComfyUI puts
+            # back when it unpatches) still points into the old arenas and would keep all of them alive
+            old_ranges = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size())
+                          for a in cached[1].arenas.values()]
+            for bk in list(getattr(self.patcher, "backup", {}).values()):
+                w = getattr(bk, "weight", None)
+                if isinstance(w, torch.Tensor) and w.device.type == "cpu":
+                    _own_storage(w, old_ranges)
             cached[1].restore(transport)
             # the old copy's memory goes before the pin decision reads the available RAM
             _STORES.pop(self.root, None)
@@ -642,13 +653,18 @@ class _Session:
         _STORES[self.root] = (ids, store)
         return store
 
+    def _pin_mode(self) -> PinMode:
+        """The host copy's pin mode: the node's (or the plan's), off when the engine config says not to pin."""
+        req = self.state.request
+        return req.pin if req.config.pin else PinMode.OFF
+
     def _pin_arena(self, transport: Transport, tails: frozenset[int]) -> tuple[bool, str]:
         """Whether the host copy about to be built is page-locked, and why (``arena_pin_decision``): the RAM rule
         counts what Levers holds pinned already, less the pinned masters of the weights the copy takes over
         (PhaseOffload's), and leaves out of the available RAM the weights read from read-only file mappings."""
         req = self.state.request
         has_cuda = torch.device(transport.device).type == "cuda"
-        mode = req.pin if req.config.pin else PinMode.OFF
+        mode = self._pin_mode()
         if mode is not PinMode.AUTO or not has_cuda:
             pin, why = arena_pin_decision(mode, self.streamed_bytes, has_cuda)
             return pin, (f"{why} ({req.pin_source} pinning)" if req.pin_source else why)

@@ -749,7 +749,8 @@ def _pinned_seconds(wl, machine, c: _Candidate, mask, host, ratio) -> tuple[floa
     streaming = c.dit.streaming
     dit_extra = c.dit.extra_seconds_per_gen * ratio
     if streaming is not None:
-        bw = max(0.1, machine.bandwidth.pageable_gbps) * 1e9
+        # never faster than pinned (as ``ratio``); with ratio >= 1 this is the pageable figure, as it always was
+        bw = max(0.1, min(machine.bandwidth.pageable_gbps, machine.bandwidth.pinned_gbps)) * 1e9
         t_block = streaming.block_bytes / bw
         streaming = replace(streaming, transfer_seconds_per_block=t_block,
                             hides_transfer=t_block <= streaming.compute_seconds_per_block)

@@ -1095,3 +1095,17 @@ def test_a_partial_pin_times_each_component_at_its_own_bandwidth_and_ties_pin_wh
     fast = replace(tight, bandwidth=replace(tight.bandwidth, pageable_gbps=2 * tight.bandwidth.pinned_gbps))
     s = P._with_pinning(spec, wl, fast, c)
     assert s.pinned == (True, False, False) and s.extra == c.extra
+
+
+def test_a_pageable_figure_above_the_pinned_one_never_makes_streaming_look_faster_unpinned():
+    """Found in review: with the measured pageable bandwidth above the pinned one (noise), a streamed DiT timed at
+    the pageable figure looked faster left pageable, and the plan left it so although the rule allowed pinning
+    everything (its note then said the whole set would not pass)."""
+    from dataclasses import replace
+
+    m = machine(8, ram=256, bw=3.0)
+    m = replace(m, bandwidth=replace(m.bandwidth, pageable_gbps=2 * m.bandwidth.pinned_gbps))
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), m)
+    assert p.diffusion_model.residency is Residency.STREAMED
+    assert all(c.pin for c in p.components if c.residency is not Residency.RESIDENT)
+    assert any(n.startswith("pinning: on") for n in p.notes), [n for n in p.notes if n.startswith("pinning")]

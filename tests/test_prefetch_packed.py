@@ -544,9 +544,12 @@ def test_restore_frees_the_host_copy_at_once(packed):
     tr = CpuTransport()
     store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=packed)
     arenas = [weakref.ref(a) for a in store.arenas.values()]
+    ranges = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()) for a in store.arenas.values()]
     assert arenas and all(r() is not None for r in arenas)
     store.restore(tr)
     gc.collect()
     assert all(r() is None for r in arenas), "the restored store still holds its arenas"
+    # nor does any weight still share their memory (a view would keep it alive without the arena objects)
+    assert not any(lo <= t.data_ptr() < hi for t in [*m.parameters(), *m.buffers()] for lo, hi in ranges)
     with torch.no_grad():
         assert torch.equal(m(x, t), ref)

@@ -313,11 +313,11 @@ class PinnedStore:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"pin budget_bytes={budget_bytes} must be >= 0 (or None for the RAM rule)")
         self.budget_bytes = budget_bytes
-        avail, total = host_memory() if available_ram_bytes is None and total_ram_bytes is None else (None, None)
+        avail, total = host_memory() if available_ram_bytes is None or total_ram_bytes is None else (None, None)
         self.available_ram_bytes = available_ram_bytes if available_ram_bytes is not None else avail
-        # RAM read here is read again at each decision (models load, other copies come and go between a node's run
-        # and the component's first load); figures given by the caller stand
-        self._reads_ram = available_ram_bytes is None and total_ram_bytes is None
+        # available RAM read here is read again at each decision (models load, other copies come and go between a
+        # node's run and the component's first load); a figure given by the caller stands
+        self._reads_ram = available_ram_bytes is None
         self.total_ram_bytes = total_ram_bytes if total_ram_bytes is not None else total
         self.os_name = os_name or os_kind()
         self.has_cuda = (transport.device.type == "cuda") if has_cuda is None else has_cuda

@@ -1122,3 +1122,97 @@ def test_a_split_layout_survives_comfyui_replacing_the_parameter_objects(comfy_e
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
     assert bp._STORES[dm][1] is store, "the same layout must reuse the host copy"
     assert "host copy kept" not in st.last_report
+
+
+def _split_budget(env, model):
+    """A vram_budget_gb (GiB) at which the auto layout splits blocks, or None."""
+    from comfyui_levers.bridge import prefetch as bp
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    total = module_bytes(model.model.diffusion_model)
+    for f in range(100, 200):
+        gb = total * f / 200 / 1024 ** 3
+        _, _, st = _prefetch(env, model, resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1,
+                             vram_budget_gb=gb)
+        s = bp._Session(st, model, None)
+        if not s.too_small and s.split is not None:
+            return gb
+    return None
+
+
+@pytest.mark.parametrize("case", ["fp8", "lora_on_a_tail"])
+def test_the_tails_comfyui_loads_are_the_parameters_it_loaded(comfy_env, tiny_wan, monkeypatch, case):
+    """The tails of split blocks are read from their modules when the host copy is built, after ComfyUI loaded
+    and patched: its load replaces the parameter objects of fp8 layers (at every move) and of a LoRA'd weight.
+    Found in review: ids taken when sampling started named nothing by then, so the host copy took the tails too
+    (ComfyUI held them as well) and a forward moved more than planned."""
+    from comfyui_levers.bridge import prefetch as bp
+
+    model = _fp8(comfy_env, tiny_wan.load_model()) if case == "fp8" else tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    budget = _split_budget(comfy_env, model)
+    assert budget is not None, "no budget gives a split layout"
+    if case == "lora_on_a_tail":
+        s = bp._Session(_prefetch(comfy_env, model, resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1,
+                                  vram_budget_gb=budget)[2], model, None)
+        names = {id(m): n for n, m in dm.named_modules()}
+        mod = next(names[i] for i in s.split.tail_modules if getattr(dm.get_submodule(names[i]), "weight", None)
+                   is not None)
+        key = f"{mod}.weight"
+        w = dm.get_submodule(mod).weight
+        model = model.clone()
+        g = torch.Generator().manual_seed(0)
+        model.add_patches({f"diffusion_model.{key}": (torch.randn(w.shape, generator=g) * 0.05,)}, 1.0)
+    ref = tiny_wan.sample(model)["samples"]
+    comfy_env.mm.unload_all_models()
+    clone, _, st = _prefetch(comfy_env, model, resident_groups=-1, prefetch_depth=-1, blocks_per_group=-1,
+                             vram_budget_gb=budget)
+    seen = {}
+    build = bp._Session._store
+
+    def spy(self, transport, patched):
+        store = build(self, transport, patched)
+        mods = self.split.tail_modules
+        seen["tails_now"] = {id(p) for _, b in self.streamed for m in b.modules() if id(m) in mods
+                             for p in m.parameters(recurse=False)} == set(self.tails)
+        seen["tails_in_store"] = sum(1 for e in store.entries for r in e.refs if id(r.owner) in mods)
+        seen["excluded"] = store.excluded_bytes
+        return store
+    monkeypatch.setattr(bp._Session, "_store", spy)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert seen["tails_now"] and seen["tails_in_store"] == 0 and seen["excluded"] > 0, seen
+    stats = st.last_stats
+    assert stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"], st.last_report
+
+
+def test_a_rebuilt_host_copy_leaves_no_weight_on_the_old_one(comfy_env, tiny_wan):
+    """A weight the old copy streamed that ComfyUI now loads and patches (a LoRA on a block made resident): ComfyUI
+    backs it up while it still points into the old copy, and puts the backup back when it unpatches. The backup gets
+    its own storage before the old copy is given back. Found in review: the backup kept the whole old arena alive
+    for the life of the model, under a 0.5 MB weight."""
+    from comfyui_levers.bridge import prefetch as bp
+
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    key = next(k for k in dm.state_dict() if k.startswith("blocks.0.") and k.endswith("ffn.0.weight"))
+    w0 = dm.get_parameter(key)
+    lora = model.clone()
+    g = torch.Generator().manual_seed(0)
+    lora.add_patches({f"diffusion_model.{key}": (torch.randn(w0.shape, generator=g) * 0.05,)}, 1.0)
+    ref, lora_ref = tiny_wan.sample(model)["samples"], tiny_wan.sample(lora)["samples"]
+    comfy_env.mm.unload_all_models()
+    plain, _, _ = _prefetch(comfy_env, model, resident_groups=0)
+    assert torch.equal(tiny_wan.sample(plain)["samples"], ref)        # every block streamed
+    old = bp._STORES[dm][1]
+    ranges = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()) for a in old.arenas.values()]
+    assert any(lo <= dm.get_parameter(key).data_ptr() < hi for lo, hi in ranges)
+    del old
+    comfy_env.mm.unload_all_models()
+    clone, _, _ = _prefetch(comfy_env, lora, resident_groups=1)       # block 0 now loaded, and patched, by ComfyUI
+    assert torch.equal(tiny_wan.sample(clone)["samples"], lora_ref)
+    assert bp._STORES[dm][1] is not None
+    comfy_env.mm.unload_all_models()                                  # ComfyUI puts its backup back
+    w = dm.get_parameter(key)
+    assert not any(lo <= w.data_ptr() < hi for lo, hi in ranges)
+    assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), "the weight holds a larger storage"
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
