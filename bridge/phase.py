@@ -103,17 +103,13 @@ class PhaseSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pin", PinMode.parse(self.pin, "pin"))
-        resident = tuple(str(n) for n in self.resident)
-        bad = [n for n in resident if n not in ("diffusion_model", "text_encoder", "vae")]
-        if bad:
-            raise ConfigError("resident", bad, "diffusion_model, text_encoder or vae",
-                              "The experts of a two-expert model always take turns.")
-        object.__setattr__(self, "resident", resident)
-        pageable = tuple(str(n) for n in self.pageable)
-        bad = [n for n in pageable if n not in ("diffusion_model", "text_encoder", "vae")]
-        if bad:
-            raise ConfigError("pageable", bad, "diffusion_model, text_encoder or vae")
-        object.__setattr__(self, "pageable", pageable)
+        for field_name, hint in (("resident", "The experts of a two-expert model always take turns."),
+                                 ("pageable", "")):
+            names = tuple(str(n) for n in getattr(self, field_name))
+            bad = [n for n in names if n not in ("diffusion_model", "text_encoder", "vae")]
+            if bad:
+                raise ConfigError(field_name, bad, "diffusion_model, text_encoder or vae", hint)
+            object.__setattr__(self, field_name, names)
         p = str(self.text_encoder_precision).strip().lower()
         if p not in TE_PRECISIONS:
             raise ConfigError("text_encoder_precision", self.text_encoder_precision, ", ".join(TE_PRECISIONS),

@@ -714,27 +714,32 @@ def _with_pinning(spec, wl, machine, c: _Candidate) -> _Candidate:
             vae_w if c.vae_residency is Residency.PHASE else 0)
     # pinned copies are never slower (a pageable figure above the pinned one is a measurement's noise)
     ratio = max(1.0, machine.bandwidth.pinned_gbps / max(0.1, machine.bandwidth.pageable_gbps))
-    whole_ok, whole_reason = pin_rule(sum(host), machine)
+    rules: dict[int, tuple[bool, str]] = {}
+
+    def rule(nbytes: int) -> tuple[bool, str]:
+        if nbytes not in rules:
+            rules[nbytes] = pin_rule(nbytes, machine)
+        return rules[nbytes]
+
     best = None
     for mask in itertools.product((True, False), repeat=3):
         if any(m and not h for m, h in zip(mask, host)):
             continue                       # only a host copy can be pinned
         pinned_set = sum(h for m, h in zip(mask, host) if m)
-        if pinned_set and not (whole_ok if mask == tuple(bool(h) for h in host) else pin_rule(pinned_set, machine)[0]):
+        if pinned_set and not rule(pinned_set)[0]:
             continue
         extra, streaming = _pinned_seconds(wl, machine, c, mask, host, ratio)
         key = (extra, -pinned_set)         # the fewest seconds; at a tie, pin more (the rule allows it)
         if best is None or key < best[0]:
             best = (key, mask, extra, streaming)
-    _, mask, extra, streaming = best
-    if all(m or not h for m, h in zip(mask, host)):
-        reason = whole_reason
-    elif not any(mask):
+    (_, neg_pinned), mask, extra, streaming = best
+    whole_reason = rule(sum(host))[1]
+    if not any(mask) or all(m or not h for m, h in zip(mask, host)):
         reason = whole_reason
     else:
         names = " and ".join(n for n, m in zip(("diffusion model", "text encoder", "VAE"), mask) if m)
-        reason = (f"{names} pinned: {pin_rule(sum(h for m, h in zip(mask, host) if m), machine)[1]}; the rest "
-                  f"pageable, as the whole set would not be: {whole_reason}")
+        reason = (f"{names} pinned: {rule(-neg_pinned)[1]}; the rest pageable, as the whole set would not be: "
+                  f"{whole_reason}")
     return replace(c, extra=extra, total_seconds=c.dit.step_seconds * wl.steps + extra, pinned=mask,
                    pin_reason=reason, host=host, streaming=streaming)
 
