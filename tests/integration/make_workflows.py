@@ -374,7 +374,7 @@ def wan_12gb(oi: dict) -> Graph:
     g.note(1, f"""Wan 2.1 14B text-to-video (832x480, 33 frames) on a 12 GB card.
 
 14 B parameters are 28 GB in bf16 and still 14 GB in fp8: more than the card. So:
-- group prefetch keeps the transformer blocks in host RAM and streams them to the GPU a group ahead of compute, on a side stream; at video lengths the copy hides behind the math, even from pageable memory, so the weights can stay bf16 (with 64 GB of RAM the plan pins the text encoder and the VAE rather than the 27 GB of blocks: the RAM rule allows one or the other, and the blocks' copies hide either way);
+- group prefetch keeps the transformer blocks in host RAM and streams them to the GPU a group ahead of compute, on a side stream; at video lengths the copy hides behind the math, even from pageable memory, so the weights can stay bf16 (with 64 GB of RAM the plan pins the text encoder and the VAE rather than the 28 GB of bf16 weights: the RAM rule allows one or the other, and the blocks' copies hide either way);
 - QuantizeDiT (format auto) follows the plan: with 64 GB of RAM the plan keeps bf16 (37 GB of host copies) and the node passes the model through; with 32 GB it plans fp8 (half the bytes to hold and move) and the node quantizes;
 - the video VAE decodes in temporal tiles (chunks of latent frames, carried causal cache) and spatial tiles sized to what is free.
 
@@ -432,7 +432,7 @@ def wan22_16gb(oi: dict) -> Graph:
 Wan 2.2 A14B is two 14 B experts: the high-noise one samples the first half of the steps, the low-noise one the rest. Each is 14 GB in fp8, so one fits next to nothing else and two never fit together. So:
 - Recommend gets both experts (model and model_2): it plans for one on the GPU at a time and for both in host RAM;
 - PhaseOffload gets both too (model and model_2): when the low-noise expert starts, the high-noise one leaves the GPU by a pointer swap (no copy back), and the text encoder and the VAE each get the GPU to themselves;
-- a GroupPrefetch on each expert streams its blocks from host RAM a group ahead of compute, so the activations of 81 frames fit next to the resident blocks (with 64 GB of RAM the two experts' 53 GB stay pageable, as the RAM rule cannot pin them twice over; their copies hide behind 81 frames of compute);
+- a GroupPrefetch on each expert streams its blocks from host RAM a group ahead of compute, so the activations of 81 frames fit next to the resident blocks (with 64 GB of RAM the two experts' 57 GB of bf16 weights stay pageable, as the RAM rule cannot pin them twice over; their copies hide behind 81 frames of compute);
 - the video VAE decodes in temporal chunks (causal cache carried, exact) and spatial tiles sized to what is free.
 
 Needs about 36 GB of free host RAM (both experts and the text encoder). With less, set goal = fit on the plan node, or use smaller GGUF files (they stream too).
