@@ -38,8 +38,8 @@ from ..core.residency import subclass
 from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.pinned import PinMode, arena_pin_decision
-from ..core.residency.prefetch import AUTO, HostStore, PrefetchConfig, PrefetchHandle, apply_group_prefetch, \
-    measure_bandwidth, slot_bound, spend_leftover
+from ..core.residency.prefetch import AUTO, HostStore, PinDecider, PrefetchConfig, PrefetchHandle, \
+    apply_group_prefetch, measure_bandwidth, slot_bound, spend_leftover
 from ..core.residency.transport import HostMaps, Transport, make_transport, pinned_by_levers, tensor_nbytes
 from .comfy_mode import dynamic_vram_active, patcher_is_dynamic, unload_entries_of
 from .inputs import require_model
@@ -648,8 +648,8 @@ class _Session:
             # the old copy's memory goes before the pin decision reads the available RAM
             _STORES.pop(self.root, None)
             cached = None
-        pin, why = self._pin_arena(transport, tails)
-        store = HostStore(self.streamed, transport, pin=pin, exclude=tails, packed=packed, unpinned_reason=why)
+        store = HostStore(self.streamed, transport, exclude=tails, packed=packed,
+                          decide_pin=self._pin_decider(transport, tails))
         _STORES[self.root] = (ids, store)
         return store
 
@@ -658,16 +658,20 @@ class _Session:
         req = self.state.request
         return req.pin if req.config.pin else PinMode.OFF
 
-    def _pin_arena(self, transport: Transport, tails: frozenset[int]) -> tuple[bool, str]:
-        """Whether the host copy about to be built is page-locked, and why (``arena_pin_decision``): the RAM rule
-        counts what Levers holds pinned already, less the pinned masters of the weights the copy takes over
-        (PhaseOffload's), and leaves out of the available RAM the weights read from read-only file mappings."""
+    def _pin_decider(self, transport: Transport, tails: frozenset[int]) -> PinDecider:
+        """Whether the host copy about to be built is page-locked, and why (``arena_pin_decision``), asked by the
+        store with the exact bytes it is about to pin (``HostStore``'s ``decide_pin``): the RAM rule counts what
+        Levers holds pinned already, less the pinned masters of the weights the copy takes over (PhaseOffload's),
+        and leaves out of the available RAM the weights read from read-only file mappings (until the copy exists:
+        the RAM read after it was built already went to it). Both are read from the blocks now, before the copy
+        takes their place."""
         req = self.state.request
         has_cuda = torch.device(transport.device).type == "cuda"
         mode = self._pin_mode()
         if mode is not PinMode.AUTO or not has_cuda:
             pin, why = arena_pin_decision(mode, self.streamed_bytes, has_cuda)
-            return pin, (f"{why} ({req.pin_source} pinning)" if req.pin_source else why)
+            why = f"{why} ({req.pin_source} pinning)" if req.pin_source else why
+            return lambda nbytes, allocated: (pin, why)
         seen: set[int] = set()
         replaced = mapped = 0
         maps = HostMaps.recent(max_age_s=0.0)
@@ -682,9 +686,12 @@ class _Session:
                     n = tensor_nbytes(x)
                     replaced += n if pinned_by_levers(x) else 0
                     mapped += n if maps.writable(x.data_ptr(), n) is False else 0
-        pin, why = arena_pin_decision(PinMode.AUTO, self.streamed_bytes, True, replaced_bytes=replaced,
-                                      mapped_bytes=mapped)
-        return pin, why if pin else f"{why}; pin = on pins it anyway (each step's copies run at pageable speed now)"
+
+        def decide(nbytes: int, allocated: bool) -> tuple[bool, str]:
+            pin, why = arena_pin_decision(PinMode.AUTO, nbytes, True, replaced_bytes=replaced,
+                                          mapped_bytes=0 if allocated else mapped)
+            return pin, why if pin else f"{why}; pin = on pins it anyway (each step's copies run at pageable speed now)"
+        return decide
 
     def _entries(self, store: HostStore, keys: set[str]) -> list:
         """The store entries holding these ``diffusion_model.``-prefixed weight keys."""

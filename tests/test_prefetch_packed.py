@@ -513,6 +513,72 @@ def test_a_packed_store_streaming_as_stored_pins_its_arena(monkeypatch):
     store.restore(tr)
 
 
+def _asking(monkeypatch, tr, answers):
+    """A pinning transport and a ``decide_pin`` that records each question and answers from ``answers``."""
+    from comfyui_levers.core.residency.transport import PinResult
+
+    monkeypatch.setattr(tr, "pin", lambda t: PinResult(True, "test pin", t.numel() * t.element_size()))
+    monkeypatch.setattr(tr, "unpin", lambda t: None)
+    asked = []
+
+    def decide(nbytes, allocated):
+        asked.append((nbytes, allocated))
+        return answers[len(asked) - 1]
+    return asked, decide
+
+
+def test_a_plain_store_asks_its_pin_decision_for_its_arena_bytes_before_it_allocates(monkeypatch):
+    m = make_wan(mixed=True, n=4)
+    tr = _rec()
+    asked, decide = _asking(monkeypatch, tr, [(True, "")])
+    store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, decide_pin=decide)
+    arena_bytes = sum(a.numel() * a.element_size() for a in store.arenas.values())
+    assert asked == [(arena_bytes, False)]
+    assert store.pinned_bytes == arena_bytes
+    store.restore(tr)
+
+
+def test_a_packed_store_asks_its_pin_decision_for_the_packed_bytes_once_they_exist(monkeypatch):
+    """Packed, what is pinned is the packed planes (about 0.76x the bf16 bytes, new memory) and the arenas of
+    dtypes that are not packed: the store asks with exactly those bytes, after packing, and pins them only on yes;
+    on no, nothing is pinned and the report says why."""
+    m = make_wan(mixed=True, n=4)                  # float32 blocks beside the packed bf16 ones
+    blocks = list((f"b{i}", b) for i, b in enumerate(m.blocks))
+    with torch.no_grad():
+        ref = [t.clone() for _, b in blocks for t in b.parameters()]
+    tr = _rec()
+    asked, decide = _asking(monkeypatch, tr, [(True, "")])
+    store = HostStore(blocks, tr, packed=True, decide_pin=decide)
+    planes = sum(pk.nbytes for pk in store._planes.values())
+    fp32 = store.arenas[torch.float32].numel() * 4
+    bf16 = store.arenas[torch.bfloat16].numel() * 2
+    assert asked == [(planes + fp32, True)] and planes < bf16
+    assert store.pinned_bytes == planes + fp32
+    assert store.pin_results[torch.bfloat16].pinned and store.pin_results[torch.float32].pinned
+    store.restore(tr)
+
+    asked, decide = _asking(monkeypatch, tr, [(False, "pageable: 3.00 GiB available")])
+    store = HostStore(blocks, tr, packed=True, decide_pin=decide)
+    assert [a for _, a in asked] == [True] and store.pinned_bytes == 0
+    assert {r.reason for r in store.pin_results.values()} == {"pageable: 3.00 GiB available"}
+    assert all(torch.equal(a, b) for a, b in zip(ref, (t for _, b in blocks for t in b.parameters())))
+    store.restore(tr)
+
+
+def test_a_packed_store_streaming_as_stored_asks_before_pinning_its_arena(monkeypatch):
+    m = make_wan(mixed=True, n=4)
+    tr = _rec()
+    asked, decide = _asking(monkeypatch, tr, [(True, ""), (False, "pageable: the planes took the room")])
+    store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=True, decide_pin=decide)
+    store._needs_pinning = True
+    pinned = store.pinned_bytes
+    store.pin_arenas(tr)
+    assert asked[1] == (store.arenas[torch.bfloat16].numel() * 2, True)
+    assert not store.arena_pinned(torch.bfloat16) and store.pinned_bytes == pinned
+    assert store.pin_results[torch.bfloat16].reason == "pageable: the planes took the room"
+    store.restore(tr)
+
+
 def test_self_check_refuses_a_kernel_that_decodes_wrong():
     """The first use of the Triton kernel on a device decodes every bf16 bit pattern and compares; here the
     check runs on the CPU with stand-in launchers: the reference passes, a wrong nibble order is refused."""

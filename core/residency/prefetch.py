@@ -175,6 +175,10 @@ class _Wrapped:
             _set(r, value)
 
 
+# (bytes about to be page-locked, whether the RAM now read already holds them) -> (pin, why)
+PinDecider = Callable[[int, bool], tuple[bool, str]]
+
+
 def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
     """Unpin and forget every tensor in ``pinned`` (lists a store owns; emptied in place)."""
     for group in pinned:
@@ -191,11 +195,19 @@ class HostStore:
     """
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
-                 exclude: frozenset[int] = frozenset(), packed: bool = False, unpinned_reason: str = ""):
+                 exclude: frozenset[int] = frozenset(), packed: bool = False, unpinned_reason: str = "",
+                 decide_pin: PinDecider | None = None):
         """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
         them); they are neither streamed nor counted in this engine's budget. ``packed``: also keep
         the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead.
-        ``unpinned_reason``: why ``pin`` is False (the report's line)."""
+        ``unpinned_reason``: why ``pin`` is False (the report's line).
+
+        ``decide_pin(nbytes, allocated)``, when given, replaces ``pin``: asked with the exact bytes about to
+        be page-locked, it returns (pin, why). A plain store asks before its arenas exist (they take the place of
+        the weights they copy, so the RAM it reads is what is left after). A packed store asks once its planes
+        exist (``allocated=True``): they are new memory, smaller than the bf16 bytes, and the RAM read then is
+        what they left. Streaming a packed store as stored asks again for its bf16 arena (``pin_arenas``)."""
+        self._decide_pin = decide_pin
         self._unpinned_reason = unpinned_reason or "pinning disabled"
         self._pin = pin
         self.exclude = frozenset(exclude)
@@ -232,10 +244,17 @@ class HostStore:
                              for x in ([t] if _is_plain(t) or subclass.is_storage(t)
                                        else [x for _, x in subclass.leaves(t) or []]))
         self._collect(blocks)
-        self._allocate(transport, pin)
+        deferred = decide_pin is not None and packed and any(d in PACKABLE and n for d, n in self._sizes.items())
+        if decide_pin is not None and not deferred:
+            self._decide(sum(n * d.itemsize for d, n in self._sizes.items()), allocated=False)
+        self._allocate(transport, self._pin and not deferred)
         self._stage_all(transport)
         if packed:
-            self.pack_arenas(transport, pin)
+            self.pack_arenas(transport, self._pin and not deferred)
+        if deferred:
+            self._decide(sum(pk.nbytes for pk in self._planes.values())
+                         + sum(tensor_nbytes(a) for d, a in self.arenas.items() if d not in PACKABLE), allocated=True)
+            self._pin_after_packing(transport)
 
     # layout ------------------------------------------------------------------------------
     def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
@@ -333,6 +352,21 @@ class HostStore:
                     self._pinned_arenas.append(arena)
             for e in self.entries:
                 e.host_view = self.arenas[e.dtype].as_strided(e.shape, e.stride, e.offset)
+
+    def _decide(self, nbytes: int, allocated: bool) -> None:
+        self._pin, why = self._decide_pin(nbytes, allocated)
+        self._unpinned_reason = why or self._unpinned_reason
+
+    def _pin_after_packing(self, transport: Transport) -> None:
+        """Pin what a packed store streams (its planes, and the arenas of dtypes it does not pack) as decided."""
+        for dtype, arena in self.arenas.items():
+            if dtype in self._planes:
+                self.pin_results[dtype] = self._pin_planes(self._planes[dtype], transport, self._pin)
+            elif dtype not in PACKABLE:
+                r = transport.pin(arena) if self._pin else PinResult(False, self._unpinned_reason)
+                self.pin_results[dtype] = r
+                if r.pinned:
+                    self._pinned_arenas.append(arena)
 
     def _stage(self, e: _Entry, src: torch.Tensor, transport: Transport) -> bool:
         """Copy ``src`` into the entry's arena view. Returns True when it was a device->host copy."""
@@ -498,11 +532,23 @@ class HostStore:
         self._fingerprints.clear()
 
     def pin_arenas(self, transport: Transport) -> None:
-        """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored."""
-        for dtype, arena in self.arenas.items():
-            if self._pin and self._needs_pinning and not self.arena_pinned(dtype) and arena.numel():
-                if transport.pin(arena).pinned:
-                    self._pinned_arenas.append(arena)
+        """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored; with
+        ``decide_pin``, when it allows those bytes on top of what is pinned already."""
+        todo = [(d, a) for d, a in self.arenas.items()
+                if self._pin and self._needs_pinning and not self.arena_pinned(d) and a.numel()]
+        if not todo:
+            return
+        if self._decide_pin is not None:
+            ok, why = self._decide_pin(sum(tensor_nbytes(a) for _, a in todo), True)
+            if not ok:
+                for d, _ in todo:
+                    self.pin_results[d] = PinResult(False, why)
+                return
+        for dtype, arena in todo:
+            r = transport.pin(arena)
+            self.pin_results[dtype] = r
+            if r.pinned:
+                self._pinned_arenas.append(arena)
 
     def unpin(self, transport: Transport) -> None:
         """Unpin every arena and packed plane this store pinned (their values stay)."""

@@ -1040,12 +1040,15 @@ def test_the_host_copy_is_pinned_by_the_ram_rule_counting_what_levers_holds_pinn
     session = bp._Session(st, model, None)
     streamed = session.streamed_bytes
     cuda = SimpleNamespace(device=torch.device("cuda", 0))
+
+    def pin_arena(allocated=False):   # the store asks with the bytes it pins (here the blocks' own)
+        return session._pin_decider(cuda, session.tails)(streamed, allocated)
     monkeypatch.setattr(pinned, "host_memory", lambda: (3 * streamed, 64 * 2 ** 30))
-    assert session._pin_arena(cuda, session.tails)[0]
+    assert pin_arena()[0]
     # another 2x the arena pinned by Levers elsewhere (a text encoder's masters): 3x the arena is under 2x of that
     other = torch.empty(2 * streamed, dtype=torch.uint8)
     monkeypatch.setitem(tr._REGISTERED, other.data_ptr(), [other.numel(), 1])
-    ok, why = session._pin_arena(cuda, session.tails)
+    ok, why = pin_arena()
     assert not ok and "Levers holds pinned already" in why, why
     # ... but if that range is the streamed weights' own masters, the arena takes it over
     monkeypatch.delitem(tr._REGISTERED, other.data_ptr())
@@ -1053,15 +1056,17 @@ def test_the_host_copy_is_pinned_by_the_ram_rule_counting_what_levers_holds_pinn
     monkeypatch.setattr(tr, "_REGISTERED", {p: [n, 1] for p, n in masters.items()})
     monkeypatch.setattr(tr, "_STARTS", sorted(masters))
     assert tr.pinned_bytes_by_levers() >= streamed
-    assert session._pin_arena(cuda, session.tails)[0]
+    assert pin_arena()[0]
     # and weights in a read-only file mapping take their bytes out of the available RAM
     monkeypatch.setattr(tr, "_REGISTERED", {})
     monkeypatch.setattr(tr, "_STARTS", [])
     monkeypatch.setattr(bp.HostMaps, "recent", classmethod(lambda cls, max_age_s=0.0: SimpleNamespace(
         writable=lambda ptr, n: False)))
     monkeypatch.setattr(pinned, "host_memory", lambda: (int(2.5 * streamed), 64 * 2 ** 30))
-    ok, why = session._pin_arena(cuda, session.tails)
+    ok, why = pin_arena()
     assert not ok and "cannot be swapped out" in why and "pin = on pins it anyway" in why, why
+    # ... until the copy exists (a packed store asks then): the RAM read after it was built already went to it
+    assert pin_arena(allocated=True)[0]
     # pin = off, through the node, in a real run: bit-identical and reported
     ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
     clone, report, st = _prefetch(comfy_env, tiny_wan.load_model(), pin="off")
