@@ -31,11 +31,8 @@ GIB = 1024 ** 3
 class DryStore(prefetch.HostStore):
     """The engine's layout of the blocks' tensors, without allocating or copying anything."""
 
-    def _allocate(self, transport, pin):
+    def _allocate_and_stage(self, transport, pin):
         self.arenas = {dtype: torch.empty(0, dtype=dtype) for dtype in self.block_range}
-
-    def _stage_all(self, transport):
-        pass
 
 
 class DryPacked:

@@ -592,8 +592,7 @@ class _Session:
         tails = self.tails
         patched = set()
         cached = _STORES.get(self.root)
-        arenas = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size())
-                  for a in (cached[1].arenas.values() if cached is not None else ())]
+        arenas = [r for a in (cached[1].arenas.values() if cached is not None else ()) for r in a.ranges()]
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
                 if id(param) in tails:
@@ -638,8 +637,7 @@ class _Session:
         if cached is not None:
             # a weight the old copy streamed that ComfyUI loads and patches now: its backup (the weight ComfyUI puts
             # back when it unpatches) still points into the old arenas and would keep all of them alive
-            old_ranges = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size())
-                          for a in cached[1].arenas.values()]
+            old_ranges = [r for a in cached[1].arenas.values() for r in a.ranges()]
             for bk in list(getattr(self.patcher, "backup", {}).values()):
                 w = getattr(bk, "weight", None)
                 if isinstance(w, torch.Tensor) and w.device.type == "cpu":

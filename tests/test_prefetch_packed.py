@@ -19,6 +19,10 @@ from triton_interp import needs_triton, run_interpreted
 BIG = 10 ** 9
 
 
+def _width(span):
+    return span[1] - span[0]
+
+
 def _rec():
     return RecordingTransport(CpuTransport())
 
@@ -167,7 +171,8 @@ def _streams_like(m, cfg, tr, store, layout, inputs, ref) -> None:
 
 
 def _bf16_bytes_streamed(h) -> int:
-    return sum(sl.numel() * 2 for gi in h.stream_order for d, sl in h.groups[gi].host.items() if d == torch.bfloat16)
+    return sum((hi - lo) * 2 for gi in h.stream_order for d, (lo, hi) in h.groups[gi].spans.items()
+               if d == torch.bfloat16)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -235,7 +240,7 @@ def test_packed_schedule_unpacks_each_group_after_its_copy_and_before_its_event(
             assert "h2d" in kinds[:d]
             assert kinds.index("record", d) > d                  # the event covers the unpacked slot
             assert kinds.index("wait") > d and kinds.index("compute") > d
-            assert mine[d].nbytes == h.groups[gi].host[torch.bfloat16].numel() * 2
+            assert mine[d].nbytes == _width(h.groups[gi].spans[torch.bfloat16]) * 2
         assert any(op.kind == "decode" for op in ops)
         assert not any(op.kind == "d2h" for op in ops)
     finally:
@@ -260,7 +265,7 @@ def test_groups_wider_than_the_staging_buffer_unpack_in_pieces(monkeypatch):
             start = len(tr.ops)
             assert torch.equal(m(x, t), ref)
         decodes = [op for op in tr.ops[start:] if op.kind == "decode"]
-        widest = max(h.groups[g].host[torch.bfloat16].numel() for g in h.stream_order)
+        widest = max(_width(h.groups[g].spans[torch.bfloat16]) for g in h.stream_order)
         assert widest > 1000 and len(decodes) >= len(h.stream_order) * -(-widest // 1000)
         assert all(op.nbytes <= 2000 for op in decodes)
         assert h.stats()["staging_bytes"] == P.staging_nbytes(widest) <= P.staging_nbytes(10 ** 9)
@@ -609,8 +614,8 @@ def test_restore_frees_the_host_copy_at_once(packed):
         ref = m(x, t)
     tr = CpuTransport()
     store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=packed)
-    arenas = [weakref.ref(a) for a in store.arenas.values()]
-    ranges = [(a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()) for a in store.arenas.values()]
+    arenas = [weakref.ref(t) for a in store.arenas.values() for t in a.tensors()]
+    ranges = [r for a in store.arenas.values() for r in a.ranges()]
     assert arenas and all(r() is not None for r in arenas)
     store.restore(tr)
     gc.collect()

@@ -13,7 +13,7 @@ BIG = 10 ** 9
 
 
 def _bytes(h, groups):
-    return sum(sl.numel() * sl.element_size() for gi in groups for sl in h.groups[gi].host.values())
+    return sum((hi - lo) * d.itemsize for gi in groups for d, (lo, hi) in h.groups[gi].spans.items())
 
 
 def _ref(m, x, t, skip):

@@ -24,7 +24,7 @@ def _forward_ops(tr, start):
 
 
 def _streamed_bytes(handle):
-    return sum(sl.numel() * sl.element_size() for gi in handle.stream_order for sl in handle.groups[gi].host.values())
+    return sum((hi - lo) * d.itemsize for gi in handle.stream_order for d, (lo, hi) in handle.groups[gi].spans.items())
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_quantized_bytes_stream_as_quantized_bytes():
         with torch.no_grad():
             m(*flux_inputs())
             m(*flux_inputs())
-        fp8_copies = sum(sl.numel() for g in h.stream_order for d, sl in h.groups[g].host.items()
+        fp8_copies = sum(hi - lo for g in h.stream_order for d, (lo, hi) in h.groups[g].spans.items()
                          if d == torch.float8_e4m3fn)
         assert fp8_copies == arena.numel()
         assert m.single_blocks[0].linear1.weight.dtype == torch.float8_e4m3fn   # still fp8 on the host

@@ -60,6 +60,11 @@ CALIBRATION_FORWARD = 1   # index of the forward whose per-block compute is meas
 CALIBRATION_RETRIES = 4   # later forwards that may measure instead when it skipped blocks (always skipped: 0 s)
 SLOT_ALIGN = 512          # bytes: where each dtype's region starts in a device slot (the CUDA allocator's alignment)
 _GIB = 1024 ** 3
+# A host copy is held in segments of about this many bytes, cut at block boundaries: building a copy frees the
+# weights' old storage segment by segment, and giving a copy back (a rebuild for another layout, the node removed)
+# frees each segment once its weights have their own storage again, so either holds the streamed bytes once plus
+# one segment in RAM, not twice. A group copy that crosses a cut is two copies; a packed dtype is one segment.
+SEGMENT_BYTES = _GIB
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -175,6 +180,57 @@ class _Wrapped:
             _set(r, value)
 
 
+class _Arena:
+    """One dtype's host copy: elements [0, n) held in segments (``SEGMENT_BYTES``), each a tensor of its own.
+    No entry crosses a segment (the cuts are block boundaries). ``bounds``: the segments' first elements, then n."""
+
+    def __init__(self, dtype: torch.dtype, bounds: list[int]):
+        self.dtype = dtype
+        self.bounds = bounds
+        self.segments: list[torch.Tensor | None] = [None] * (len(bounds) - 1)   # allocated as the build reaches them
+
+    def numel(self) -> int:
+        return self.bounds[-1]
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.dtype.itemsize
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.segments if t is not None]
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole copy as one tensor (a packed dtype's arena is one segment)."""
+        assert len(self.segments) == 1 and self.segments[0] is not None, "a segmented arena has no single tensor"
+        return self.segments[0]
+
+    def index(self, offset: int) -> int:
+        """The segment holding element ``offset``."""
+        return bisect.bisect_right(self.bounds, offset, hi=len(self.segments)) - 1
+
+    def view(self, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        i = self.index(offset)
+        return self.segments[i].as_strided(shape, stride, offset - self.bounds[i])
+
+    def pieces(self, lo: int, hi: int):
+        """(slice of one segment, its first element's offset from ``lo``) covering elements [lo, hi)."""
+        for i in range(self.index(lo), len(self.segments)):
+            s0, s1 = self.bounds[i], self.bounds[i + 1]
+            if s0 >= hi:
+                break
+            a, b = max(lo, s0), min(hi, s1)
+            if a < b:
+                yield self.segments[i][a - s0:b - s0], a - lo
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The host address ranges the segments span."""
+        return [(t.data_ptr(), t.data_ptr() + tensor_nbytes(t)) for t in self.tensors()]
+
+
 # (bytes about to be page-locked, whether the RAM now read already holds them) -> (pin, why)
 PinDecider = Callable[[int, bool], tuple[bool, str]]
 
@@ -219,7 +275,7 @@ class HostStore:
         self.kept: list[tuple[str, str]] = []          # (tensor name, why it is not streamed)
         self.kept_refs: list[_Ref] = []
         self.wrapped: list[_Wrapped] = []               # wrapper-subclass parameters streamed by their leaves
-        self.arenas: dict[torch.dtype, torch.Tensor] = {}
+        self.arenas: dict[torch.dtype, _Arena] = {}
         self.block_range: dict[torch.dtype, list[tuple[int, int]]] = {}
         self.pin_results: dict[torch.dtype, PinResult] = {}
         self.restaged = 0
@@ -247,13 +303,12 @@ class HostStore:
         deferred = decide_pin is not None and packed and any(d in PACKABLE and n for d, n in self._sizes.items())
         if decide_pin is not None and not deferred:
             self._decide(sum(n * d.itemsize for d, n in self._sizes.items()), allocated=False)
-        self._allocate(transport, self._pin and not deferred)
-        self._stage_all(transport)
+        self._allocate_and_stage(transport, self._pin and not deferred)
         if packed:
             self.pack_arenas(transport, self._pin and not deferred)
         if deferred:
             self._decide(sum(pk.nbytes for pk in self._planes.values())
-                         + sum(tensor_nbytes(a) for d, a in self.arenas.items() if d not in PACKABLE), allocated=True)
+                         + sum(a.nbytes for d, a in self.arenas.items() if d not in PACKABLE), allocated=True)
             self._pin_after_packing(transport)
 
     # layout ------------------------------------------------------------------------------
@@ -340,18 +395,58 @@ class HostStore:
             cursor[dtype] = -(-end // align) * align
         self._sizes = cursor
 
-    def _allocate(self, transport: Transport, pin: bool) -> None:
-        with torch.inference_mode(self.inference):
-            for dtype, n in self._sizes.items():
-                arena = torch.empty(n, dtype=dtype, device="cpu")
-                self.arenas[dtype] = arena
-                if self._pack_wanted and dtype in PACKABLE:
-                    continue   # its packed form is what streams, so that is what gets pinned (pack_arenas)
-                self.pin_results[dtype] = transport.pin(arena) if pin else PinResult(False, self._unpinned_reason)
-                if self.pin_results[dtype].pinned:
-                    self._pinned_arenas.append(arena)
-            for e in self.entries:
-                e.host_view = self.arenas[e.dtype].as_strided(e.shape, e.stride, e.offset)
+    def _bounds(self, dtype: torch.dtype, n: int) -> list[int]:
+        """Where ``dtype``'s segments start (block boundaries, about ``SEGMENT_BYTES`` apart), then ``n``."""
+        bounds = [0]
+        if not (self._pack_wanted and dtype in PACKABLE):     # packing works on the whole arena
+            for lo, _ in self.block_range[dtype][1:]:
+                if bounds[-1] < lo < n and (lo - bounds[-1]) * dtype.itemsize >= SEGMENT_BYTES:
+                    bounds.append(lo)
+        return bounds + [n]
+
+    def _allocate_and_stage(self, transport: Transport, pin: bool) -> None:
+        """Allocate the segments in block order, each just before its first block is staged, and bind each block's
+        weights to their copies once staged: their old storage goes as the copy grows."""
+        for dtype, n in self._sizes.items():
+            self.arenas[dtype] = _Arena(dtype, self._bounds(dtype, n))
+        failed: dict[torch.dtype, PinResult] = {}
+        with torch.no_grad(), torch.inference_mode(self.inference):
+            for block in self.by_block:
+                for e in block:
+                    arena = self.arenas[e.dtype]
+                    for i in range(arena.index(e.offset) + 1):
+                        if arena.segments[i] is None:
+                            self._new_segment(transport, arena, i, pin, failed)
+                    e.host_view = arena.view(e.offset, e.shape, e.stride)
+                d2h = False
+                for e in block:
+                    t = e.refs[0].get()
+                    d2h |= self._stage(e, subclass.plain(t.data), transport)
+                    e.tensor = t
+                if d2h:
+                    transport.synchronize()   # one-time: staged device weights must land before we drop them
+                for e in block:
+                    self._bind_host(e)
+            for arena in self.arenas.values():      # segments no entry reached (alignment padding only)
+                for i, seg in enumerate(arena.segments):
+                    if seg is None:
+                        self._new_segment(transport, arena, i, pin, failed)
+        for dtype in self.arenas:
+            if not (self._pack_wanted and dtype in PACKABLE):   # its packed form is what streams and is pinned
+                self.pin_results[dtype] = failed.get(dtype) or (
+                    PinResult(True, "pinned", self.arenas[dtype].nbytes) if pin
+                    else PinResult(False, self._unpinned_reason))
+
+    def _new_segment(self, transport: Transport, arena: _Arena, i: int, pin: bool,
+                     failed: dict[torch.dtype, PinResult]) -> None:
+        seg = torch.empty(arena.bounds[i + 1] - arena.bounds[i], dtype=arena.dtype, device="cpu")
+        arena.segments[i] = seg
+        if pin and not (self._pack_wanted and arena.dtype in PACKABLE) and seg.numel():
+            r = transport.pin(seg)
+            if r.pinned:
+                self._pinned_arenas.append(seg)
+            else:
+                failed.setdefault(arena.dtype, r)
 
     def _decide(self, nbytes: int, allocated: bool) -> None:
         self._pin, why = self._decide_pin(nbytes, allocated)
@@ -363,10 +458,22 @@ class HostStore:
             if dtype in self._planes:
                 self.pin_results[dtype] = self._pin_planes(self._planes[dtype], transport, self._pin)
             elif dtype not in PACKABLE:
-                r = transport.pin(arena) if self._pin else PinResult(False, self._unpinned_reason)
-                self.pin_results[dtype] = r
-                if r.pinned:
-                    self._pinned_arenas.append(arena)
+                self.pin_results[dtype] = self._pin_segments(transport, arena) if self._pin \
+                    else PinResult(False, self._unpinned_reason)
+
+    def _pin_segments(self, transport: Transport, arena: _Arena) -> PinResult:
+        """Pin the arena's segments that are not pinned yet (fail-soft): the first failure, else pinned."""
+        bad = None
+        pinned = {id(t) for t in self._pinned_arenas}
+        for seg in arena.tensors():
+            if id(seg) in pinned or not seg.numel():
+                continue
+            r = transport.pin(seg)
+            if r.pinned:
+                self._pinned_arenas.append(seg)
+            else:
+                bad = bad or r
+        return bad or PinResult(True, "pinned", arena.nbytes)
 
     def _stage(self, e: _Entry, src: torch.Tensor, transport: Transport) -> bool:
         """Copy ``src`` into the entry's arena view. Returns True when it was a device->host copy."""
@@ -375,18 +482,6 @@ class HostStore:
             return False
         transport.copy_to_host(src, dst=e.host_view, tag=f"stage:{self.block_names[e.block]}")
         return True
-
-    def _stage_all(self, transport: Transport) -> None:
-        d2h = False
-        with torch.no_grad(), torch.inference_mode(self.inference):
-            for e in self.entries:
-                t = e.refs[0].get()
-                d2h |= self._stage(e, subclass.plain(t.data), transport)
-                e.tensor = t
-        if d2h:
-            transport.synchronize()   # one-time: staged device weights must land before we drop them
-        for e in self.entries:
-            self._bind_host(e)
 
     @property
     def packed(self) -> dict[torch.dtype, PackedArena]:
@@ -414,7 +509,7 @@ class HostStore:
         with torch.inference_mode(False):
             for dtype, arena in self.arenas.items():
                 if dtype in PACKABLE and arena.numel():
-                    self._planes[dtype] = self._on_pack_device(transport, lambda dev: pack(arena, device=dev))
+                    self._planes[dtype] = self._on_pack_device(transport, lambda dev: pack(arena.tensor, device=dev))
         self.pack_seconds = time.perf_counter() - t0
         for dtype, pk in self._planes.items():
             self.pin_results[dtype] = self._pin_planes(pk, transport, pin)
@@ -422,7 +517,7 @@ class HostStore:
 
     def _sample(self, e: _Entry) -> torch.Tensor:
         """Up to 256 evenly spaced values of ``e``'s arena range, as bits (a cheap fingerprint)."""
-        return self.arenas[e.dtype].view(torch.int16)[sample_index(e.offset, e.span)].clone()
+        return self.arenas[e.dtype].tensor.view(torch.int16)[sample_index(e.offset, e.span)].clone()
 
     def _fingerprint_holds(self, e: _Entry) -> bool:
         return torch.equal(self._fingerprints[id(e)], self._sample(e))
@@ -449,7 +544,8 @@ class HostStore:
             if not ranges:
                 continue
             old = [pk.esc_pos, pk.esc_val]
-            self._on_pack_device(transport, lambda dev: repack_ranges(pk, self.arenas[dtype], ranges, device=dev))
+            arena = self.arenas[dtype].tensor
+            self._on_pack_device(transport, lambda dev: repack_ranges(pk, arena, ranges, device=dev))
             for t in old:
                 if any(t is p for p in self._pinned_planes):
                     transport.unpin(t)
@@ -509,27 +605,45 @@ class HostStore:
 
     def restore(self, transport: Transport) -> None:
         """Give every streamed tensor its own storage again (on its original device, same strides,
-        same values) and unpin the arenas. The store is unusable afterwards."""
+        same values) and unpin the arenas. The store is unusable afterwards. Each segment is unpinned and let go
+        as soon as its tensors are restored: RAM holds the streamed bytes once plus one segment, not twice."""
+        for w in self.wrapped:
+            w.host = None      # the engine's handle on a wrapper around host copies would keep their segments
         with torch.no_grad(), torch.inference_mode(self.inference):
-            for e in self.entries:
-                t = e.refs[0].get()
-                if t is None or t.data_ptr() != e.host_view.data_ptr():
-                    continue  # the owner already rebound it elsewhere
-                fresh = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="cpu")
-                fresh.copy_(e.host_view)
-                if e.orig_device.type != "cpu":
-                    fresh = transport.copy_to_device(fresh, tag="restore") if e.orig_device == transport.device \
-                        else fresh.to(e.orig_device)
-                for r in e.refs:
-                    r.get().data = fresh
-        transport.synchronize()  # one-time: restored copies must land before the arenas go
+            for dtype, arena in self.arenas.items():
+                by_segment: dict[int, list[_Entry]] = {}
+                for e in self.entries:
+                    if e.dtype == dtype:
+                        by_segment.setdefault(arena.index(e.offset), []).append(e)
+                for i, seg in enumerate(arena.segments):
+                    for e in by_segment.get(i, ()):
+                        self._restore_entry(e, transport)
+                    if seg is not None:
+                        if any(t is seg for t in self._pinned_arenas):
+                            transport.unpin(seg)
+                            self._pinned_arenas[:] = [t for t in self._pinned_arenas if t is not seg]
+                        arena.segments[i] = None
+                    del seg
+        transport.synchronize()  # one-time: restored copies must land before the packed planes go
         self.unpin(transport)
         self.arenas.clear()
         self._planes.clear()
-        # the entries' views are the last references to the arenas: dropping them frees the host copy now
         self.entries.clear()
         self.by_block = [[] for _ in self.by_block]
         self._fingerprints.clear()
+
+    def _restore_entry(self, e: _Entry, transport: Transport) -> None:
+        t = e.refs[0].get()
+        view, e.host_view = e.host_view, None      # the entry's view is one of the last references to its segment
+        if t is None or t.data_ptr() != view.data_ptr():
+            return  # the owner already rebound it elsewhere
+        fresh = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="cpu")
+        fresh.copy_(view)
+        if e.orig_device.type != "cpu":
+            fresh = transport.copy_to_device(fresh, tag="restore") if e.orig_device == transport.device \
+                else fresh.to(e.orig_device)
+        for r in e.refs:
+            r.get().data = fresh
 
     def pin_arenas(self, transport: Transport) -> None:
         """Pin the arenas a packed store left unpinned (fail-soft), for plans that stream them as stored; with
@@ -539,16 +653,13 @@ class HostStore:
         if not todo:
             return
         if self._decide_pin is not None:
-            ok, why = self._decide_pin(sum(tensor_nbytes(a) for _, a in todo), True)
+            ok, why = self._decide_pin(sum(a.nbytes for _, a in todo), True)
             if not ok:
                 for d, _ in todo:
                     self.pin_results[d] = PinResult(False, why)
                 return
         for dtype, arena in todo:
-            r = transport.pin(arena)
-            self.pin_results[dtype] = r
-            if r.pinned:
-                self._pinned_arenas.append(arena)
+            self.pin_results[dtype] = self._pin_segments(transport, arena)
 
     def unpin(self, transport: Transport) -> None:
         """Unpin every arena and packed plane this store pinned (their values stay)."""
@@ -597,7 +708,10 @@ class HostStore:
 
     def arena_pinned(self, dtype: torch.dtype) -> bool:
         """Whether copies from this arena run at full speed: it is pinned, or the device needs no pinning."""
-        return not self._needs_pinning or any(t is self.arenas.get(dtype) for t in self._pinned_arenas)
+        if not self._needs_pinning:
+            return True
+        pinned = {id(t) for t in self._pinned_arenas}
+        return dtype in self.arenas and all(id(t) in pinned for t in self.arenas[dtype].tensors() if t.numel())
 
     def wire_bytes(self, dtype: torch.dtype, lo: int, hi: int) -> int:
         """Bytes that cross the bus to fill arena elements [lo, hi): packed or as stored."""
@@ -642,7 +756,7 @@ class HostStore:
 
     @property
     def host_bytes(self) -> int:
-        return sum(tensor_nbytes(a) for a in self.arenas.values()) + sum(p.nbytes for p in self._planes.values())
+        return sum(a.nbytes for a in self.arenas.values()) + sum(p.nbytes for p in self._planes.values())
 
     @property
     def pinned_bytes(self) -> int:
@@ -1065,8 +1179,7 @@ class _Group:
     resident: bool
     tag: str
     nbytes: int = 0
-    host: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # arena slices
-    spans: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)   # their element ranges
+    spans: dict[torch.dtype, tuple[int, int]] = field(default_factory=dict)   # element ranges in the arenas
     entries: list[_Entry] = field(default_factory=list)
     plain: list[_Entry] = field(default_factory=list)        # entries bound by pointer swap
     wrapped: list[_Wrapped] = field(default_factory=list)    # wrapper subclasses with an inner tensor here
@@ -1244,7 +1357,6 @@ class PrefetchHandle:
                     kept.extend((b, 0) for b in range(b0, b1))
             for dtype, (lo, hi) in spans.items():
                 if hi > lo:
-                    grp.host[dtype] = store.arenas[dtype][lo:hi]
                     grp.spans[dtype] = (lo, hi)
                     grp.nbytes += (hi - lo) * store.arenas[dtype].element_size()
             self.groups.append(grp)
@@ -1270,7 +1382,7 @@ class PrefetchHandle:
             # static slots of bytes, sized for the widest streamed group (all its dtypes together: per-dtype
             # slots sized for each dtype's widest group would hold more when different groups are widest)
             if self.stream_order:
-                width = max(sum(aligned(sl.numel() * sl.element_size()) for sl in self.groups[gi].host.values())
+                width = max(sum(aligned((hi - lo) * d.itemsize) for d, (lo, hi) in self.groups[gi].spans.items())
                             for gi in self.stream_order)
                 n_slots = min(plan.prefetch_depth + 1, len(self.stream_order) + 1)
                 self.slots = [_Slot(i, self.transport.empty((width,), torch.uint8)) for i in range(n_slots)]
@@ -1283,8 +1395,8 @@ class PrefetchHandle:
                     grp = self.groups[gi]
                     for s in self.slots:
                         dst, at = {}, 0
-                        for dtype, sl in grp.host.items():
-                            nbytes = sl.numel() * sl.element_size()
+                        for dtype, (lo, hi) in grp.spans.items():
+                            nbytes = (hi - lo) * dtype.itemsize
                             dst[dtype] = s.buffer[at:at + nbytes].view(dtype)
                             at += aligned(nbytes)
                         self._dst[(gi, s.index)] = dst
@@ -1325,7 +1437,8 @@ class PrefetchHandle:
         pieces when the range is wider than the staging buffer, e.g. the resident part)."""
         st = self._staging.get(dtype)
         if st is None:
-            self.transport.copy_to_device(self.store.arenas[dtype][lo:hi], dst, tag=tag)
+            for piece, at in self.store.arenas[dtype].pieces(lo, hi):
+                self.transport.copy_to_device(piece, dst[at:at + piece.numel()], tag=tag)
             return
         pk = self.store.packed[dtype]
         for a, b, i0, i1 in pk.pieces(lo, hi, st.values, st.escapes):

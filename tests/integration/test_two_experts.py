@@ -129,7 +129,8 @@ def test_group_prefetch_on_each_expert_after_phase_offload(comfy_env, tiny_wan, 
         # GroupPrefetch's arena (before, the first run held both: about 1.5x an expert)
         for patcher, name in ((m, "diffusion_model"), (m2, "diffusion_model_2")):
             masters = {_storage(x.host) for x in group.components[name].table.masters.values()}
-            arenas = {_storage(t) for t in _STORES[patcher.model.diffusion_model][1].arenas.values()}
+            store = _STORES[patcher.model.diffusion_model][1]
+            arenas = {_storage(t) for a in store.arenas.values() for t in a.tensors()}
             assert sum(n for _, n in masters | arenas) <= 1.01 * module_bytes(patcher.model)
         for clone in (a, b):
             stats = prefetch_state(clone).last_stats

@@ -1,0 +1,174 @@
+"""Host copies held in segments (``SEGMENT_BYTES``, cut at block boundaries).
+
+A segmented copy must stream exactly as a flat one (same bytes, bit-identical outputs, a group that crosses a cut
+copied piece by piece into its slot), and building or giving back a copy must never hold the streamed bytes twice:
+at most once plus one segment. The toys' blocks are a few KiB, so the tests cut at every block boundary."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_levers.core.residency import prefetch as P
+from comfyui_levers.core.residency.prefetch import AUTO, HostStore, PrefetchConfig, apply_group_prefetch
+from comfyui_levers.core.residency.transport import CpuTransport, PinResult, RecordingTransport, tensor_nbytes
+from prefetch_toys import make_wan, wan_inputs
+
+BIG = 10 ** 9
+
+
+@pytest.fixture
+def one_block_per_segment(monkeypatch):
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 1)
+
+
+def _blocks(m):
+    return [(f"b{i}", b) for i, b in enumerate(m.blocks)]
+
+
+def _held(store: HostStore, params) -> int:
+    """Host bytes a copy and its weights hold: the segments allocated, and every weight that still has storage of
+    its own (not a view into a segment)."""
+    ranges = [r for a in store.arenas.values() for r in a.ranges()]
+    own = sum(tensor_nbytes(p) for p in params if not any(lo <= p.data_ptr() < hi for lo, hi in ranges))
+    return sum(tensor_nbytes(t) for a in store.arenas.values() for t in a.tensors()) + own
+
+
+@pytest.mark.parametrize("config,mixed", [
+    (PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), True),
+    (PrefetchConfig(2, 2, 1, BIG, partial_blocks=False), False),
+    (PrefetchConfig(3, 1, 0, BIG, partial_blocks=False), True),      # each dtype's range in a group crosses a cut
+])
+def test_a_segmented_copy_streams_the_same_bytes_bit_identical(one_block_per_segment, config, mixed):
+    m = make_wan(mixed=mixed, n=9)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr = RecordingTransport(CpuTransport())
+    h = apply_group_prefetch(m, config, tr, bandwidth=0)
+    try:
+        arenas = h.store.arenas
+        assert all(len(a.segments) > 1 for a in arenas.values())
+        with torch.no_grad():
+            m(x, t)
+            start = len(tr.ops)
+            assert torch.equal(m(x, t), ref)
+        ops = [op for op in tr.ops[start:] if op.kind == "h2d"]
+        spans = {gi: h.groups[gi].spans for gi in h.stream_order}
+        assert sum(op.nbytes for op in ops) == sum((hi - lo) * d.itemsize for s in spans.values()
+                                                   for d, (lo, hi) in s.items())
+        for gi, s in spans.items():      # one copy per segment a group's range touches, per dtype
+            pieces = sum(len(list(arenas[d].pieces(lo, hi))) for d, (lo, hi) in s.items())
+            assert sum(1 for op in ops if op.tag == f"group{gi}") == pieces
+        if config.blocks_per_group > 1:
+            assert any(len(list(arenas[d].pieces(lo, hi))) > 1 for s in spans.values() for d, (lo, hi) in s.items())
+    finally:
+        h.remove()
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+def test_a_segmented_split_copy_streams_bit_identical(one_block_per_segment):
+    m = make_wan(mixed=True, n=6)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    total = sum(p.numel() * p.element_size() for b in m.blocks for p in b.parameters())
+    other = sum(p.numel() * p.element_size() for p in m.parameters()) - total
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, AUTO, int(other + total * 0.8)), RecordingTransport(CpuTransport()),
+                             bandwidth=0)
+    try:
+        assert h.plan.split
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x, t), ref)
+    finally:
+        h.remove()
+
+
+def test_building_a_copy_never_holds_the_streamed_bytes_twice(one_block_per_segment, monkeypatch):
+    """Each segment is allocated only when the build reaches its blocks, and the blocks before it are already bound
+    to the copy: their own storage is gone. A flat copy held every weight and the whole copy at the end."""
+    m = make_wan(mixed=False, n=6)
+    params = [p for b in m.blocks for p in b.parameters()]
+    streamed = sum(tensor_nbytes(p) for p in params)
+    widest = max(sum(tensor_nbytes(p) for p in b.parameters()) for b in m.blocks)
+    seen = []
+    new_segment = HostStore._new_segment
+
+    def spy(self, transport, arena, i, pin, failed):
+        new_segment(self, transport, arena, i, pin, failed)
+        seen.append(_held(self, params))
+    monkeypatch.setattr(HostStore, "_new_segment", spy)
+    store = HostStore(_blocks(m), CpuTransport())
+    assert len(seen) == 6
+    assert max(seen) <= streamed + widest + 64 * len(params), (seen, streamed)
+    assert _held(store, params) <= streamed + 64 * len(params)
+    store.restore(CpuTransport())
+
+
+def test_giving_a_copy_back_never_holds_the_streamed_bytes_twice(one_block_per_segment, monkeypatch):
+    """Each segment goes once its weights have their own storage again (a rebuild for another layout, the node
+    removed); a flat copy stayed whole until every weight had been copied out of it."""
+    import gc
+    import weakref
+
+    m = make_wan(mixed=True, n=6)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    params = [p for b in m.blocks for p in b.parameters()]
+    streamed = sum(tensor_nbytes(p) for p in params)
+    widest = max(sum(tensor_nbytes(p) for p in b.parameters()) for b in m.blocks)
+    store = HostStore(_blocks(m), CpuTransport())
+    segments = [weakref.ref(s) for a in store.arenas.values() for s in a.tensors()]
+    seen = []
+    restore_entry = HostStore._restore_entry
+
+    def spy(self, e, transport):
+        restore_entry(self, e, transport)
+        gc.collect()
+        seen.append(_held(self, params))
+    monkeypatch.setattr(HostStore, "_restore_entry", spy)
+    store.restore(CpuTransport())
+    assert max(seen) <= streamed + widest + 64 * len(params), (seen, streamed)
+    gc.collect()
+    assert all(s() is None for s in segments)
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+def test_each_segment_is_pinned_and_one_refusal_leaves_the_arena_pageable(one_block_per_segment, monkeypatch):
+    m = make_wan(mixed=False, n=4)
+    tr = CpuTransport()
+    pinned = []
+
+    def pin(t):
+        pinned.append(t.data_ptr())
+        return PinResult(len(pinned) != 3, "" if len(pinned) != 3 else "cudaHostRegister failed", tensor_nbytes(t))
+    monkeypatch.setattr(tr, "pin", pin)
+    monkeypatch.setattr(tr, "unpin", lambda t: None)
+    store = HostStore(_blocks(m), tr)
+    store._needs_pinning = True
+    arena = store.arenas[torch.float32]
+    assert sorted(pinned) == sorted(s.data_ptr() for s in arena.tensors()) and len(pinned) == 4
+    assert not store.arena_pinned(torch.float32)
+    assert store.pin_results[torch.float32] == PinResult(False, "cudaHostRegister failed", tensor_nbytes(
+        arena.segments[2]))
+    assert store.pinned_bytes == arena.nbytes - tensor_nbytes(arena.segments[2])
+    store.restore(tr)
+
+
+def test_segments_are_cut_at_block_boundaries_about_segment_bytes_apart(monkeypatch):
+    m = make_wan(mixed=False, n=6)
+    block = sum(tensor_nbytes(p) for p in m.blocks[0].parameters())
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 2 * block)
+    store = HostStore(_blocks(m), CpuTransport())
+    arena = store.arenas[torch.float32]
+    starts = [lo for lo, _ in store.block_range[torch.float32]]
+    assert arena.bounds[:-1] == [starts[0], starts[2], starts[4]]
+    assert arena.bounds[-1] == arena.numel() and len(arena.segments) == 3
+    store.restore(CpuTransport())
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 10 ** 12)
+    store = HostStore(_blocks(m), CpuTransport(), packed=False)
+    assert len(store.arenas[torch.float32].segments) == 1
+    store.restore(CpuTransport())
