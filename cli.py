@@ -10,8 +10,17 @@ import sys
 from . import __version__
 from .core.errors import LeversError
 
-# Subcommands provided by other modules, each exposing register_cli(subparsers).
-_PLUGGED = ("comfyui_levers.core.quant.cli", "comfyui_levers.core.client", "comfyui_levers.core.benchmark")
+# Subcommands provided by other modules, each exposing register_cli(subparsers), with the commands they add.
+_PLUGGED = {"comfyui_levers.core.quant.cli": ("quantize",), "comfyui_levers.core.client": ("run",),
+            "comfyui_levers.core.benchmark": ("bench",)}
+TORCH_FIX = ("install torch first (pip install torch, or pip install 'comfyui-levers[torch]'); ComfyUI's own Python "
+             "has it")
+
+
+def _needs_torch(command: str) -> int:
+    print(f"levers {command}: error: this command needs PyTorch, which this Python does not have: {TORCH_FIX}",
+          file=sys.stderr)
+    return 2
 
 
 def _positive_int(text: str) -> int:
@@ -98,27 +107,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="levers", description="Fit big diffusion transformers on the GPU you have.")
     parser.add_argument("--version", action="version", version=f"levers {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.needs_torch = set()
     _add_recommend(sub)
     _add_demo(sub)
-    for mod in _PLUGGED:
+    for mod, commands in _PLUGGED.items():
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
             if exc.name == mod:
                 continue  # that subcommand is not part of this build
-            raise
+            if exc.name != "torch":
+                raise
+            for command in commands:   # listed, and says what it needs when run (`levers run` needs no torch)
+                sub.add_parser(command, help="(needs PyTorch, not installed here)")
+                parser.needs_torch.add(command)
+            continue
         module.register_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in parser.needs_torch:
+        return _needs_torch(argv[0])
+    try:
+        args = parser.parse_args(argv)
+    except ModuleNotFoundError as exc:     # a subcommand's options that import torch (argument types, choices)
+        if exc.name != "torch":
+            raise
+        return _needs_torch(argv[0] if argv else "")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return _needs_torch(args.command)
     except (LeversError, ValueError) as exc:
         print(f"levers {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import http.client
 import json
 import math
 import os
+import re
 import socket
 import ssl
 import struct
@@ -49,6 +50,11 @@ VIRTUAL_NODES = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 # The extra widget value the frontend stores after a seed-like widget.
 CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
 MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".gguf", ".pkl")
+# files LoadImage, LoadVideo, LoadAudio and the like list from ComfyUI's input/ folder
+INPUT_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".exr", ".mp4", ".webm",
+                       ".mov", ".mkv", ".avi", ".wav", ".mp3", ".flac", ".ogg", ".m4a")
+INPUT_FILE_FIX = ("upload it with --input NODE.INPUT=FILE (levers run), or copy it into ComfyUI's input/ folder, then "
+                  "run again")
 MODE_NEVER, MODE_BYPASS = 2, 4
 NOT_INSTALLED_FIX = "install the node pack that provides it, e.g. with ComfyUI-Manager, and restart ComfyUI"
 
@@ -72,12 +78,34 @@ class ServerUnreachable(LeversError, ConnectionError):
             f"--port 8188`) or point --server / COMFYUI_URL at the running server.")
 
 
+class NotComfyUI(ServerUnreachable):
+    """Something answered at the server URL, but not as ComfyUI does."""
+
+    def __init__(self, url: str, reason: str):
+        self.url, self.reason = url, reason
+        LeversError.__init__(self, f"the server at {url} answered, but it is not ComfyUI ({reason}). Check the "
+                                   f"port in --server / COMFYUI_URL, or the path if ComfyUI runs behind a proxy.")
+
+
+def payload_text(payload: bytes, limit: int = 200) -> str:
+    """An error response's body on one short line: an HTML page's title, else its text with whitespace folded."""
+    text = payload.decode(errors="replace")
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
+    if title:
+        text = title.group(1)
+    elif text.lstrip().startswith("<"):
+        text = re.sub(r"<[^>]+>", " ", text)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class HTTPStatusError(LeversError, RuntimeError):
     """The server answered a request with an error status."""
 
     def __init__(self, request: str, status: int, payload: bytes):
         self.request, self.status = request, status
-        super().__init__(f"{request} answered HTTP {status}: {payload[:300].decode(errors='replace')}")
+        body = payload_text(payload)
+        super().__init__(f"{request} answered HTTP {status}" + (f": {body}" if body else ""))
 
 
 class BadServerURL(LeversError, ValueError):
@@ -352,7 +380,7 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
     if malformed:
         raise WorkflowError("the UI workflow is malformed (re-save it from ComfyUI, or fix these entries):",
                             malformed)
-    nodes = {n["id"]: n for n in ui_workflow["nodes"]}
+    nodes = {str(n["id"]): n for n in ui_workflow["nodes"]}     # an id saved as "1" with links naming 1 (edited files)
     links = _link_table(ui_workflow)
     definitions = ui_workflow.get("definitions")
     subgraphs = {sg.get("id") for sg in (definitions.get("subgraphs") or [] if isinstance(definitions, dict) else [])
@@ -364,7 +392,7 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
         if link_id is None or link_id not in links or depth > len(nodes) + 1:
             return None
         origin_id, origin_slot = links[link_id][0], links[link_id][1]
-        origin = nodes.get(origin_id)
+        origin = nodes.get(str(origin_id))
         if origin is None:
             problems.append(f"link {link_id} starts at node {origin_id}, which is not in the workflow")
             return None
@@ -603,7 +631,7 @@ def _check_value(label, spec: InputSpec, value, api, object_info, allow_missing_
         if not isinstance(value[0], str):
             return [f"{where} links to node {value[0]} by a number: ComfyUI looks node ids up as strings and "
                     f"refuses it; write [\"{value[0]}\", {value[1]}] (`levers run` converts it itself)"]
-        source_info = object_info.get(source.get("class_type"))
+        source_info = object_info.get(source.get("class_type")) if isinstance(source, dict) else None
         if source_info is None:
             return []  # reported on that node
         outputs = _output_types(source_info)
@@ -658,11 +686,13 @@ def _check_range(where: str, value, options: dict) -> list[str]:
 
 
 def _not_in_list(where: str, value, choices: list) -> str:
+    name = str(value).lower()
+    if name.endswith(INPUT_FILE_SUFFIXES):
+        return f"{where} = {value!r}: the server's input/ folder has no such file; {INPUT_FILE_FIX}"
     if not choices:
         return f"{where} = {value!r}: the server lists no choices (no model file of that kind installed?)"
     shown = ", ".join(repr(c) for c in choices[:12]) + (", ..." if len(choices) > 12 else "")
-    hint = " (file missing from the server's models folder?)" if str(value).lower().endswith(
-        MODEL_FILE_SUFFIXES) else ""
+    hint = " (file missing from the server's models folder?)" if name.endswith(MODEL_FILE_SUFFIXES) else ""
     return f"{where} = {value!r} is not one of: {shown}{hint}"
 
 
@@ -683,8 +713,37 @@ def parse_set(text: str) -> Assignment:
     node, dot, name = key.strip().rpartition(".")
     if not sep or not dot or not node or not name:
         raise WorkflowError(f"--set {text!r}: expected NODE.INPUT=VALUE, e.g. --set 3.seed=42 or "
-                            f"--set \"KSampler.steps=20\" (NODE is a node id or title)")
+                            f"--set \"KSampler.steps=20\" (NODE is a node id, a title, or a class type that "
+                            f"appears once)")
     return Assignment(node.strip(), name.strip(), raw)
+
+
+def parse_input(text: str) -> Assignment:
+    """Parse ``--input NODE.INPUT=FILE``; the file must exist (it is uploaded once the prompt passes the checks)."""
+    a = parse_set(text)
+    path = os.path.expanduser(a.raw.strip())
+    if not path or not os.path.isfile(path):
+        raise WorkflowError(f"--input {text!r}: {path or 'FILE'} is not a file here; name a file to upload, e.g. "
+                            f"--input LoadImage.image=photos/cat.png")
+    return Assignment(a.node, a.input, path)
+
+
+def with_uploads(object_info: dict, uploads: list[Assignment]) -> dict:
+    """``object_info`` with each file about to be uploaded among the choices of the combo inputs it may be set on
+    (ComfyUI lists input/ files as those choices; the file is not there yet while the prompt is checked)."""
+    if not uploads:
+        return object_info
+    info = json.loads(json.dumps(object_info))
+    names = {a.input: [] for a in uploads}
+    for a in uploads:
+        names[a.input].append(os.path.basename(a.raw))
+    for node in info.values():
+        for section in ("required", "optional"):
+            table = ((node.get("input") or {}).get(section) or {}) if isinstance(node, dict) else {}
+            for name, spec in table.items():
+                if name in names and isinstance(spec, list) and spec and isinstance(spec[0], list):
+                    spec[0] = [*spec[0], *(n for n in names[name] if n not in spec[0])]
+    return info
 
 
 def find_node(api: dict, ref: str) -> str:
@@ -847,10 +906,11 @@ class ComfyClient:
         self.server = normalize_server(server)
         self.timeout = timeout
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
-        data = json.dumps(body).encode() if body is not None else None
+    def _request(self, method: str, path: str, body: dict | None = None, raw: bytes | None = None,
+                 content_type: str = "application/json") -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if body is not None else raw
         req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
+                                     headers={"Content-Type": content_type} if data else {})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return resp.status, resp.read()
@@ -860,8 +920,7 @@ class ComfyClient:
             reason = getattr(exc, "reason", exc)
             raise ServerUnreachable(self.server, str(reason)) from None
         except http.client.HTTPException as exc:     # something that does not speak HTTP answered
-            raise ServerUnreachable(self.server, f"the answer is not HTTP ({type(exc).__name__}: {exc}); "
-                                                 f"is this a ComfyUI server?") from None
+            raise NotComfyUI(self.server, f"the answer is not HTTP: {type(exc).__name__}: {exc}") from None
 
     def get_json(self, path: str):
         status, payload = self._request("GET", path)
@@ -870,7 +929,7 @@ class ComfyClient:
         try:
             return json.loads(payload)
         except json.JSONDecodeError:
-            raise ServerUnreachable(self.server, f"GET {path} did not return JSON; is this a ComfyUI server?") from None
+            raise NotComfyUI(self.server, f"GET {path} did not return JSON") from None
 
     def object_info(self) -> dict:
         try:
@@ -879,11 +938,10 @@ class ComfyClient:
             raise
         except HTTPStatusError as exc:
             if exc.status == 404:       # a web server, but not ComfyUI (or ComfyUI under another path)
-                raise ServerUnreachable(self.server, f"{exc}; is this a ComfyUI server?") from None
+                raise NotComfyUI(self.server, str(exc)) from None
             raise                       # ComfyUI answering with an error (a broken node pack, a proxy's 401/403)
         if not isinstance(info, dict):
-            raise ServerUnreachable(self.server, "GET /object_info is not ComfyUI's node list; is this a ComfyUI "
-                                                 "server?")
+            raise NotComfyUI(self.server, "GET /object_info is not ComfyUI's node list")
         return info
 
     def submit(self, api: dict, client_id: str, prompt_id: str | None = None) -> tuple[str, dict]:
@@ -904,7 +962,32 @@ class ComfyClient:
             return answer["prompt_id"], node_errors if isinstance(node_errors, dict) else {}
         if isinstance(answer, dict) and ("error" in answer or "node_errors" in answer):
             raise PromptRejected(answer.get("error") or {}, answer.get("node_errors") or {}, api)
-        raise LeversError(f"POST /prompt answered HTTP {status}: {payload[:500].decode(errors='replace')}")
+        raise LeversError(f"POST /prompt answered HTTP {status}: {payload_text(payload, 500)}")
+
+    def upload_input(self, path: str) -> str:
+        """Put a file into ComfyUI's input/ folder as its page's upload button does (``POST /upload/image``, which
+        takes images, videos and audio alike); returns the name ComfyUI filed it under: the same name, or a
+        numbered one where a different file of that name is there already (ComfyUI never overwrites one)."""
+        name = os.path.basename(path)
+        with open(path, "rb") as f:
+            content = f.read()
+        boundary = uuid.uuid4().hex
+        quoted = name.replace("\\", "\\\\").replace('"', '\\"')
+        body = (f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="{quoted}"\r\n'
+                f"Content-Type: application/octet-stream\r\n\r\n").encode() + content + (
+                f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="type"\r\n\r\ninput\r\n'
+                f"--{boundary}--\r\n").encode()
+        status, payload = self._request("POST", "/upload/image", raw=body,
+                                        content_type=f"multipart/form-data; boundary={boundary}")
+        if status != 200:
+            raise LeversError(f"uploading {path} (POST /upload/image) answered HTTP {status}: {payload_text(payload)}")
+        try:
+            answer = json.loads(payload)
+            filed = answer["name"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LeversError(f"uploading {path}: ComfyUI's answer names no file ({payload_text(payload)})") from None
+        sub = answer.get("subfolder") or ""
+        return f"{sub}/{filed}" if sub else filed
 
     def history(self, prompt_id: str) -> dict | None:
         return self.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
@@ -1503,7 +1586,11 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--server", default=os.environ.get("COMFYUI_URL", DEFAULT_SERVER),
                    help=f"ComfyUI URL (default: $COMFYUI_URL or {DEFAULT_SERVER})")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="NODE.INPUT=VALUE",
-                   help="override a widget value; NODE is a node id or title (repeatable)")
+                   help="override a widget value; NODE is a node id, a title, or a class type that appears once "
+                        "(repeatable)")
+    p.add_argument("--input", dest="inputs", action="append", default=[], metavar="NODE.INPUT=FILE",
+                   help="upload FILE into ComfyUI's input/ folder and set NODE.INPUT to it, e.g. "
+                        "--input LoadImage.image=cat.png (repeatable; uploaded after the checks pass)")
     p.add_argument("--out", default="levers_output", help="folder for downloaded outputs (default: levers_output)")
     p.add_argument("--timeout", type=_seconds, default=0,
                    help="give up waiting after this many seconds (0 = wait forever); exit code 124")
@@ -1528,8 +1615,19 @@ def run(args) -> int:
         if out_problem:
             raise WorkflowError(out_problem + "; nothing was submitted")
         workflow = load_workflow(resolve_workflow_path(args.workflow))
+        # what needs no server is checked before asking it (a bad --set is not "cannot reach ComfyUI")
+        for text in args.sets:
+            parse_set(text)
+        uploads = [parse_input(text) for text in args.inputs]
+        if not workflow:
+            raise WorkflowError(validate_api(workflow, {})[0])
         object_info = client.object_info()
-        api = prepare_prompt(workflow, object_info, args.sets, validate=not args.no_validate)
+        sets = [*args.sets, *(f"{a.node}.{a.input}={os.path.basename(a.raw)}" for a in uploads)]
+        api = prepare_prompt(workflow, with_uploads(object_info, uploads), sets, validate=not args.no_validate)
+        if not args.dry_run:
+            for a in uploads:         # only now that the prompt passed: a rejected one leaves no file behind
+                filed = client.upload_input(a.raw)
+                api[find_node(api, a.node)]["inputs"][a.input] = filed
     except BadServerURL as exc:
         return _fail(args, err, "invalid", exc, EXIT_INVALID)
     except ServerUnreachable as exc:

@@ -482,9 +482,11 @@ def _evaluate(spec, wl, machine, budget, act, dit, te, vae_res) -> _Candidate | 
             return None
         streamed = te.weight_bytes - room
         te = replace(te, extra_seconds=(room + te.prompts * streamed) / (machine.bandwidth.pinned_gbps * 1e9),
-                     note=f"larger than the card ({te.weight_bytes / GiB:.1f} GiB): ComfyUI loads the part that fits "
-                          f"the free memory while encoding ({room / GiB:.1f} GiB) and streams the rest layer by layer "
-                          f"(its lowvram path), about {streamed / GiB:.1f} GiB per encode")
+                     note=f"larger than the room it has while encoding ({te.weight_bytes / GiB:.1f} GiB of weights, "
+                          f"{room / GiB:.1f} GiB free after the CUDA context, its activations and what stays "
+                          f"loaded): ComfyUI loads the part that fits ({room / GiB:.1f} GiB; the table's 'on GPU' "
+                          f"is the least it needs) and streams the rest layer by layer (its lowvram path), about "
+                          f"{streamed / GiB:.1f} GiB per encode")
     # A streamed DiT keeps its resident groups across phases only when that is cheaper; PhaseOffload
     # releases them before decode, so treat streamed like phase outside sampling.
     encode = te.gpu_bytes + (dit.resident_bytes if dit_always else 0) + vae_res_b
@@ -798,8 +800,11 @@ def _assemble(spec, wl, machine, goal, act, c: _Candidate, notes, workload, mdic
                              "are dequantized per layer — a memory lever, ~1.45x slower linears (measured on H200)")
     if streaming is not None:
         s = streaming
+        passes = dit_passes(spec, wl)
         dit_notes.append(f"streams {s.n_blocks - s.resident_groups * s.blocks_per_group} of {s.n_blocks} blocks per step "
-                         f"({s.streamed_bytes_per_step / GiB:.1f} GiB) through {s.prefetch_depth + 1} slots of "
+                         f"({s.streamed_bytes_per_step / GiB:.1f} GiB"
+                         + (f", {passes} passes: the prompt and the negative prompt" if passes > 1 else "")
+                         + f") through {s.prefetch_depth + 1} slots of "
                          f"{s.slot_bytes / GiB:.2f} GiB; per block {s.transfer_seconds_per_block * 1e3:.1f} ms copy "
                          f"(mean of the streamed blocks) vs {s.compute_seconds_per_block * 1e3:.1f} ms compute: "
                          + ("the copy hides behind compute" if s.hides_transfer else "the copy cannot fully hide"))

@@ -13,6 +13,17 @@ from ..core.report import format_plan
 PLAN = io.Custom("LEVERS_PLAN")
 
 
+def latent_size(width: int, height: int) -> tuple[int, int, str]:
+    """The size ComfyUI's latent nodes really make (``width // 8`` x ``height // 8`` latent cells) for a size the
+    widgets' step of 8 would not give (an API prompt, a converted input): planned as that, with a note, not an
+    error."""
+    w, h = (v // 8 * 8 if v >= 8 else v for v in (width, height))
+    if (w, h) == (width, height):
+        return width, height, ""
+    return w, h, (f"size: {width}x{height} planned as {w}x{h}, the latent ComfyUI's empty-latent nodes make for it "
+                  f"(width // 8 x height // 8 cells)")
+
+
 class LeversRecommend(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -61,6 +72,8 @@ class LeversRecommend(io.ComfyNode):
     def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
                 model=None, clip=None, vae=None, model_2=None, reference_images=0) -> io.NodeOutput:
         spec, notes = measure(model, clip, vae, preset=model_preset, model_2=model_2)
+        width, height, size_note = latent_size(width, height)
+        notes = [*notes, *([size_note] if size_note else [])]
         machine = machine_for_comfy(modules=connected_modules(model, clip, vae, model_2))
         if vram_gb or ram_gb:
             machine = synthetic_machine(vram_gb or None, ram_gb or None, None, base=machine)

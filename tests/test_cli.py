@@ -179,3 +179,36 @@ def test_quantize_checks_in_and_out_before_loading_the_backend(tmp_path, monkeyp
     code, _, err = run(capsys, "quantize", _tiny_checkpoint(tmp_path), str(tmp_path / "o.safetensors"),
                        "--format", "int8")
     assert code == 3 and "exists; pass --force" in err
+
+
+NO_TORCH = """
+import builtins, sys
+real = builtins.__import__
+def blocked(name, *args, **kwargs):
+    if name == "torch" or name.startswith("torch."):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+    return real(name, *args, **kwargs)
+builtins.__import__ = blocked
+from comfyui_levers.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["quantize", "a.safetensors", "b.safetensors", "--format", "fp8"],
+                                  ["bench", "--cpu", "--quick"], ["demo"],
+                                  ["recommend", "--vram-gb", "8", "--ram-gb", "32", "--h2d-gbps", "10"],
+                                  ["run", "sdxl_8gb", "--set", "x"]])
+def test_without_torch_every_command_says_what_it_needs_instead_of_a_traceback(argv):
+    """torch is not a dependency (ComfyUI brings its own): `levers --help` and `levers run` work without it, and a
+    command that needs it says so (exit 2). Each crashed on the quantize module's torch import."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    if argv == ["--help"]:
+        assert r.returncode == 0 and "quantize" in r.stdout and "needs PyTorch" in r.stdout
+    elif argv[0] == "run":
+        assert r.returncode == 2 and "NODE.INPUT=VALUE" in r.stderr, r.stderr    # the client needs no torch
+    else:
+        assert r.returncode == 2 and "needs PyTorch" in r.stderr and "pip install torch" in r.stderr, r.stderr

@@ -142,6 +142,14 @@ def test_ui_to_api_maps_widgets_links_and_frontend_only_nodes():
     assert C.validate_api(api, MINI_OI) == []
 
 
+def test_ui_to_api_takes_node_ids_saved_as_strings():
+    """A hand-edited file with "id": "5" while its links name 5: the same node (it was "not in the workflow")."""
+    ui = _ui_graph()
+    for n in ui["nodes"]:
+        n["id"] = str(n["id"])
+    assert C.ui_to_api(ui, MINI_OI) == C.ui_to_api(_ui_graph(), MINI_OI)
+
+
 def test_ui_to_api_accepts_object_links_and_dict_widget_values():
     ui = _ui_graph()
     ui["links"] = [dict(zip(("id", "origin_id", "origin_slot", "target_id", "target_slot", "type"), link))
@@ -209,6 +217,7 @@ def _valid_api():
     (lambda a: a["3"]["inputs"].__setitem__("model", ["2", 0]), "expects MODEL but node 2 (EmptyLatent) output 0 is LATENT"),
     (lambda a: a["3"]["inputs"].__setitem__("model", "tiny.safetensors"), "takes a link"),
     (lambda a: a.pop("4"), "no output node"),
+    (lambda a: a.__setitem__("1", "x"), "node 1: not a node (no class_type)"),      # linked to: no crash
 ])
 def test_validate_api_reports_each_kind_of_problem(mutate, expected):
     api = _valid_api()
@@ -216,6 +225,17 @@ def test_validate_api_reports_each_kind_of_problem(mutate, expected):
     mutate(api)
     problems = C.validate_api(api, MINI_OI)
     assert any(expected in p for p in problems), problems
+
+
+def test_a_missing_input_image_points_at_comfyuis_input_folder():
+    """A LoadImage file the server does not list lives in ComfyUI's input/ folder, not a models folder (headless
+    edit workflows name their source image); the hint said "no model file of that kind installed?"."""
+    api = {"1": {"class_type": "LoadImage", "inputs": {"image": "cat.png"}},
+           "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "x"}}}
+    problems = C.validate_api(api, MINI_OI)
+    assert any("'cat.png': the server's input/ folder has no such file" in p and "input/ folder" in p
+               for p in problems), problems
+    assert not any("model" in p for p in problems if "cat.png" in p), problems
 
 
 def test_validate_api_can_allow_missing_model_files_only():
@@ -340,6 +360,8 @@ class FakeComfy:
         self.history: dict[str, dict] = {}
         self.files: dict[tuple, bytes] = {}
         self.interrupts: list[dict] = []
+        self.uploads: list[tuple[str, bytes, str]] = []     # (name filed, content, type) per POST /upload/image
+        self.taken: set[str] = set()        # input/ files already there with other content
         self.deletes: list[dict] = []       # POST /queue bodies
         self.pending: list[str] = []        # prompts queued and not started ("hang" mode)
         self.clients: dict[str, queue.Queue] = {}
@@ -480,6 +502,20 @@ class FakeComfy:
 
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
+                if self.path == "/upload/image":      # multipart, as ComfyUI's page sends it
+                    import email.parser
+                    import email.policy
+
+                    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+                        f"Content-Type: {self.headers['Content-Type']}\r\n\r\n".encode() + self.rfile.read(length))
+                    fields = {part.get_param("name", header="content-disposition"): part for part in msg.iter_parts()}
+                    image = fields["image"]
+                    name = image.get_filename()
+                    if name in fake.taken:            # a different file of that name: ComfyUI numbers the new one
+                        name = name.replace(".", " (1).", 1)
+                    fake.uploads.append((name, image.get_payload(decode=True),
+                                         fields["type"].get_payload(decode=True).decode()))
+                    return self._json({"name": name, "subfolder": "", "type": "input"})
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if self.path == "/interrupt":
                     fake.interrupts.append(body)
@@ -618,6 +654,50 @@ def test_levers_run_reports_an_unreachable_server(api_file, capsys):
         port = s.getsockname()[1]
     assert _cli(["run", str(api_file), "--server", f"127.0.0.1:{port}"]) == C.EXIT_UNREACHABLE
     assert "cannot reach ComfyUI at http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_levers_run_reports_what_needs_no_server_before_asking_it(api_file, tmp_path, capsys):
+    """A malformed --set or an empty workflow is invalid input (exit 2) whether or not a server answers; both were
+    reported as an unreachable server (exit 3) when none ran."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert _cli(["run", str(api_file), "--server", f"127.0.0.1:{port}", "--set", "bogus"]) == C.EXIT_INVALID
+    (tmp_path / "empty.json").write_text("{}")
+    assert _cli(["run", str(tmp_path / "empty.json"), "--server", f"127.0.0.1:{port}"]) == C.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "expected NODE.INPUT=VALUE" in err and "the prompt is empty" in err and "cannot reach" not in err
+
+
+def test_levers_run_uploads_an_input_file_and_sets_the_node_to_the_name_comfyui_filed(tmp_path, capsys):
+    """--input NODE.INPUT=FILE: the file reaches ComfyUI's input/ folder (POST /upload/image, as the page's upload
+    button) once the prompt passed the checks, and the node takes the name ComfyUI filed it under."""
+    api = {"1": {"class_type": "LoadImage", "inputs": {"image": "a.png"}},
+           "2": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "x"}},
+           "3": {"class_type": "EmptyLatent", "inputs": {"width": 64, "height": 64}}}
+    wf = tmp_path / "edit.json"
+    wf.write_text(json.dumps(api))
+    photo = tmp_path / "cat.png"
+    photo.write_bytes(b"\x89PNG fake bytes")
+    with FakeComfy(MINI_OI) as fake:
+        assert _cli(["run", str(wf), "--server", fake.url, "--out", str(tmp_path / "out"),
+                     "--input", f"LoadImage.image={photo}"]) == C.EXIT_OK
+        assert fake.uploads == [("cat.png", b"\x89PNG fake bytes", "input")]
+        assert fake.prompts[-1]["prompt"]["1"]["inputs"]["image"] == "cat.png"
+        fake.taken.add("cat.png")                    # another cat.png is there: ComfyUI files this one renamed
+        assert _cli(["run", str(wf), "--server", fake.url, "--out", str(tmp_path / "out"),
+                     "--input", f"1.image={photo}"]) == C.EXIT_OK
+        assert fake.prompts[-1]["prompt"]["1"]["inputs"]["image"] == "cat (1).png"
+        # a prompt that fails the checks uploads nothing; a dry run uploads nothing
+        n = len(fake.uploads)
+        assert _cli(["run", str(wf), "--server", fake.url, "--input", f"1.image={photo}",
+                     "--set", "3.width=7"]) == C.EXIT_INVALID
+        assert _cli(["run", str(wf), "--server", fake.url, "--input", f"1.image={photo}", "--dry-run"]) == C.EXIT_OK
+        assert len(fake.uploads) == n
+    # a file that is not there is bad input, before any server is asked
+    assert _cli(["run", str(wf), "--server", "http://127.0.0.1:9", "--input",
+                 f"LoadImage.image={tmp_path / 'dog.png'}"]) == C.EXIT_INVALID
+    assert "dog.png is not a file here" in capsys.readouterr().err
 
 
 def test_levers_run_times_out_with_exit_124(api_file, capsys):
@@ -830,7 +910,7 @@ def test_a_server_that_does_not_speak_http_is_unreachable_not_a_traceback(api_fi
         threading.Thread(target=answer, daemon=True).start()
         rc = _cli(["run", str(api_file), "--server", f"127.0.0.1:{srv.getsockname()[1]}"])
     assert rc == C.EXIT_UNREACHABLE
-    assert "is this a ComfyUI server?" in capsys.readouterr().err
+    assert "answered, but it is not ComfyUI (the answer is not HTTP" in capsys.readouterr().err
 
 
 def test_out_that_cannot_be_a_folder_is_refused_before_submitting(api_file, tmp_path, capsys):
@@ -910,7 +990,32 @@ def test_a_web_server_that_is_not_comfyui_is_unreachable_not_a_failed_prompt(api
         rc = _cli(["run", str(api_file), "--server", fake.url + "/some/prefix"])
     assert rc == C.EXIT_UNREACHABLE
     err = capsys.readouterr().err
-    assert "is this a ComfyUI server?" in err and err.count("\n") == 1
+    assert "answered, but it is not ComfyUI" in err and "Check the port" in err and err.count("\n") == 1
+
+
+def test_a_web_servers_html_error_page_is_one_readable_line(api_file, tmp_path, capsys):
+    """python -m http.server answers /object_info with a 404 HTML page: the error quoted ~10 lines of raw HTML cut
+    mid-sentence and advised starting ComfyUI. It now says something answered that is not ComfyUI, with the page's
+    title."""
+    import functools
+    import http.server
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rc = _cli(["run", str(api_file), "--server", f"http://127.0.0.1:{srv.server_address[1]}"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    err = capsys.readouterr().err
+    assert rc == C.EXIT_UNREACHABLE and err.count("\n") == 1, err
+    assert "GET /object_info answered HTTP 404: Error response" in err and "<" not in err, err
+    assert "it is not ComfyUI" in err and "Start it" not in err, err
 
 
 def test_errors_before_a_result_still_print_json_and_name_the_problem(api_file, tmp_path, capsys):

@@ -171,6 +171,10 @@ def test_video_streaming_hides_transfers_and_stays_lossless():
     assert dm.streaming.hides_transfer
     assert dm.streaming.transfer_seconds_per_block == pytest.approx(WAN14_BLOCK * 2 / 25e9, rel=0.001)
     assert p.vae.tiling is not None and p.vae.tiling.temporal_frames  # 81 frames do not decode at once
+    # the bytes per step count both CFG passes, and the note says so (47 GiB looked wrong for a 27 GiB model)
+    note = next(n for n in dm.notes if n.startswith("streams "))
+    assert "GiB, 2 passes: the prompt and the negative prompt) through 2 slots" in note, note
+    assert dm.streaming.streamed_bytes_per_step > dm.weight_bytes
 
 
 def test_image_streaming_on_a_fast_card_cannot_hide():
@@ -396,6 +400,10 @@ def test_a_text_encoder_bigger_than_the_card_is_left_to_comfyuis_partial_load(vr
     small = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(vram, ram=64)).component("text_encoder")
     assert str(small.precision) == "bf16"
     assert any("ComfyUI loads the part" in n for n in small.notes) == (vram == 8)
+    # the note names what the encoder is larger than: the room it has, not the card (4.6 GiB T5 on a 6 GiB card)
+    t5 = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(6, ram=16)).component("text_encoder")
+    assert t5.weight_bytes < 6 * GiB and not any("larger than the card" in n for n in t5.notes)
+    assert any("larger than the room it has while encoding" in n for n in t5.notes), t5.notes
 
 
 def test_a_partial_text_encoder_streams_its_rest_at_every_encode():

@@ -284,6 +284,20 @@ def test_bad_files_and_settings_are_clear_errors_before_anything_is_written(src,
     assert cli_main(["quantize", str(junk), str(out), "--format", "fp8_e4m3fn"]) == 2
 
 
+def test_the_cli_reads_the_header_of_in_before_it_loads_a_backend(tmp_path, monkeypatch, capsys):
+    """torchao prints library-loading lines when imported: a file that is not safetensors is reported before the
+    format's backend is asked for, so the one-line error is all the user sees (it came after that noise)."""
+    from comfyui_levers.core.quant import checkpoint
+
+    def no_backend(fmt):
+        raise AssertionError(f"the {fmt} backend was loaded before IN was read")
+    monkeypatch.setattr(checkpoint, "get_quantizer", no_backend)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(os.urandom(200))
+    assert cli_main(["quantize", str(junk), str(tmp_path / "out.safetensors"), "--format", "int8"]) == 2
+    assert "expected a .safetensors file. it could not be read as one" in capsys.readouterr().err
+
+
 def test_a_full_checkpoint_quantizes_its_diffusion_model_whatever_else_it_holds(tmp_path):
     """Checkpoints that bundle text encoders and a VAE (e.g. SD3.5 with CLIP-L/G and T5) can hold more of their keys
     than the diffusion model: the census still finds model.diffusion_model.* (as ComfyUI does) and keeps the rest."""

@@ -216,24 +216,29 @@ def file_metadata(config: QuantConfig, arch: str, layers: list[str]) -> dict[str
 _CODE_DTYPES = {"F8_E4M3", "F8_E5M2", "I8", "U8"}     # safetensors dtypes of already-quantized weights
 
 
+def open_source(src: str):
+    """``safe_open`` on the checkpoint to quantize; a file safetensors cannot parse is a ConfigError naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(src, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as exc:         # safetensors raises its own error type for a file it cannot parse
+        raise ConfigError("IN", src, "a .safetensors file",
+                          f"it could not be read as one ({type(exc).__name__}: {exc})") from exc
+
+
 def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = None, force: bool = False,
                   measure: bool = True, progress: Callable[[int, int, str], None] | None = None) -> QuantReport:
     """Quantize a .safetensors diffusion model tensor by tensor into ``dst`` (see module docstring)."""
-    from safetensors import safe_open
 
     quantizer = get_quantizer(config.format)
     quantizer.require()
     if same_file(src, dst):        # before the exists check, whose advice (--force) would not help
         raise ConfigError("OUT", dst, "a path different from IN", "Write to a new file, then rename it yourself.")
     check_output_path(dst, force)
-    try:
-        handle = safe_open(src, framework="pt")
-    except FileNotFoundError:
-        raise
-    except Exception as exc:         # safetensors raises its own error type for a file it cannot parse
-        raise ConfigError("IN", src, "a .safetensors file",
-                          f"it could not be read as one ({type(exc).__name__}: {exc})") from exc
-    with handle as f:
+    with open_source(src) as f:
         keys = list(f.keys())
         src_meta = f.metadata() or {}
         if any(k.endswith((".comfy_quant", ".levers_quant", ".scale_weight")) for k in keys) or "scaled_fp8" in keys:

@@ -84,7 +84,7 @@ def _as_flags(exc: Exception) -> str:
 def _check_paths(args) -> None:
     """IN and OUT problems, before the format's backend is imported (torchao prints library-loading
     warnings on import, which would bury a one-line error about a mistyped path)."""
-    from .checkpoint import check_output_path, same_file
+    from .checkpoint import check_output_path, open_source, same_file
 
     if not os.path.exists(args.input):
         raise FileNotFoundError(f"IN {args.input} does not exist")
@@ -96,6 +96,8 @@ def _check_paths(args) -> None:
     except PermissionError:       # safetensors reports it as a missing file
         raise ConfigError("IN", args.input, "a file you can read", "Permission denied: check its owner and mode "
                           "(e.g. chmod a+r).") from None
+    with open_source(args.input):       # its header parses (the format's backend would print its noise first)
+        pass
     if same_file(args.input, args.output):
         raise ConfigError("OUT", args.output, "a path different from IN", "Write to a new file, then rename it "
                           "yourself.")

@@ -48,6 +48,17 @@ def test_recommend_plans_reference_images(comfy_env):
     assert "+ 1 reference image" in report
 
 
+def test_a_size_off_the_widgets_step_is_planned_as_comfyuis_latent_with_a_note(comfy_env):
+    """An API prompt can send 1020 px (the widget steps by 8): ComfyUI's empty-latent nodes make 1016 // 8 cells for
+    it, so the plan is the 1016 plan with a note; it was a ConfigError (Recommend fails soft)."""
+    node = _node(comfy_env)
+    odd, report = node.execute("flux1-dev", 1020, 1004, 1, 28, 1, "balanced", 16.0, 64.0).result
+    even, _ = node.execute("flux1-dev", 1016, 1000, 1, 28, 1, "balanced", 16.0, 64.0).result
+    assert (odd.workload["width"], odd.workload["height"]) == (1016, 1000)
+    assert odd.predicted_peak_bytes == even.predicted_peak_bytes
+    assert "size: 1020x1004 planned as 1016x1000" in report
+
+
 def test_recommend_rejects_a_non_model(comfy_env, tiny_wan):
     node = _node(comfy_env)
     with pytest.raises(IncompatibleInput, match="Connect the MODEL output"):

@@ -555,3 +555,25 @@ def test_a_bad_save_path_is_refused_before_anything_runs(server, object_info):
         (node_id,) = [k for k, v in api.items() if v["class_type"] == "LeversQuantizeDiT"]
         (err,) = answer["node_errors"][node_id]["errors"]
         assert err["type"] == "custom_validation_failed" and says in err["details"], err
+
+
+def test_levers_run_uploads_an_input_image_that_loadimage_reads(server, object_info, tmp_path):
+    """`levers run --input LoadImage.image=FILE` against the real server: ComfyUI's /upload/image takes the client's
+    multipart body, files the image in input/, and LoadImage -> SaveImage gives back the same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from comfyui_levers.cli import main
+
+    pixels = (np.arange(8 * 8 * 3) * 7 % 256).astype("uint8").reshape(8, 8, 3)
+    src = tmp_path / "levers_e2e_input.png"
+    Image.fromarray(pixels).save(src)
+    api = {"1": {"class_type": "LoadImage", "inputs": {"image": "not_uploaded_yet.png"}},
+           "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "levers_e2e_upload"}}}
+    wf = tmp_path / "upload.json"
+    wf.write_text(json.dumps(api))
+    out = tmp_path / "out"
+    assert main(["run", str(wf), "--server", server.url, "--out", str(out), "--quiet",
+                 "--input", f"LoadImage.image={src}"]) == 0, server.log_tail()
+    (saved,) = list(out.rglob("levers_e2e_upload*.png"))
+    assert np.array_equal(np.asarray(Image.open(saved).convert("RGB")), pixels)
