@@ -1385,9 +1385,11 @@ def collect_reports(api: dict, outputs: dict) -> dict[str, list[str]]:
 
 
 def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[str]:
-    """Fetch every file the run produced (images, videos, latents, ...) through /view."""
+    """Fetch every file the run produced (images, videos, latents, ...) through /view. Previews (PreviewImage and
+    the like, which ComfyUI writes to its temp folder) go into a ``preview/`` folder of their own, apart from the
+    outputs the workflow saves."""
     saved = []
-    target = Path(out_dir)
+    root = Path(out_dir)
     for ui in outputs.values():
         for value in (ui or {}).values():
             if not isinstance(value, list):
@@ -1397,7 +1399,9 @@ def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[s
                     continue
                 name = os.path.basename(str(item["filename"]))
                 subfolder = str(item.get("subfolder") or "")
-                payload = client.view(str(item["filename"]), subfolder, str(item.get("type") or "output"))
+                kind = str(item.get("type") or "output")
+                payload = client.view(str(item["filename"]), subfolder, kind)
+                target = root / "preview" if kind == "temp" else root
                 folder = target / subfolder if subfolder else target
                 if not folder.resolve().is_relative_to(target.resolve()):
                     folder = target          # a subfolder the server names must not lead out of --out

@@ -1078,3 +1078,18 @@ def test_a_comfyui_answering_object_info_with_an_error_is_not_called_another_ser
         rc = _cli(["run", str(api_file), "--server", fake.url])
     err = capsys.readouterr().err
     assert rc == C.EXIT_FAILED and "answered HTTP 500" in err and "is this a ComfyUI server" not in err
+
+
+def test_previews_are_downloaded_apart_from_the_saved_outputs(tmp_path):
+    """PreviewImage writes into ComfyUI's temp folder: its files land in --out/preview/, not beside what SaveImage
+    saved (they were mixed in with the real outputs)."""
+    class Viewer:
+        def view(self, filename, subfolder, kind):
+            return f"{kind}:{subfolder}/{filename}".encode()
+
+    outputs = {"9": {"images": [{"filename": "ComfyUI_00001_.png", "subfolder": "", "type": "output"}]},
+               "12": {"images": [{"filename": "ComfyUI_temp_abcd_00001_.png", "subfolder": "", "type": "temp"}]}}
+    saved = sorted(C.download_outputs(Viewer(), outputs, str(tmp_path)))
+    assert saved == sorted([str(tmp_path / "ComfyUI_00001_.png"),
+                            str(tmp_path / "preview" / "ComfyUI_temp_abcd_00001_.png")])
+    assert (tmp_path / "preview" / "ComfyUI_temp_abcd_00001_.png").read_bytes() == b"temp:/ComfyUI_temp_abcd_00001_.png"
