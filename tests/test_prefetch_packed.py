@@ -624,3 +624,24 @@ def test_restore_frees_the_host_copy_at_once(packed):
     assert not any(lo <= t.data_ptr() < hi for t in [*m.parameters(), *m.buffers()] for lo, hi in ranges)
     with torch.no_grad():
         assert torch.equal(m(x, t), ref)
+
+
+def test_a_refused_pin_of_the_stored_arena_keeps_the_repacked_escapes_pinned(monkeypatch):
+    """Streaming a packed store as stored asks before pinning its bf16 arena; a refusal is about that arena only:
+    a later LoRA's re-encoded escape planes are still pinned with the other planes (they went pageable, found in
+    review)."""
+    m = make_wan(mixed=True, n=4)
+    tr = _rec()
+    asked, decide = _asking(monkeypatch, tr, [(True, ""), (False, "pageable: no room for the bf16 arena too")])
+    store = HostStore(list((f"b{i}", b) for i, b in enumerate(m.blocks)), tr, packed=True, decide_pin=decide)
+    store._needs_pinning = True
+    store.pin_arenas(tr)
+    assert not store.arena_pinned(torch.bfloat16)
+    w = m.blocks[1].q.weight
+    with torch.no_grad():
+        w.data = (torch.randn(w.shape) * 50).bfloat16()       # new exponents: new escape planes
+    store.refresh(tr)
+    pk = store.packed[torch.bfloat16]
+    pinned = [id(t) for t in store._pinned_planes]
+    assert id(pk.sm) in pinned and id(pk.esc_pos) in pinned and id(pk.esc_val) in pinned
+    store.restore(tr)

@@ -172,3 +172,111 @@ def test_segments_are_cut_at_block_boundaries_about_segment_bytes_apart(monkeypa
     store = HostStore(_blocks(m), CpuTransport(), packed=False)
     assert len(store.arenas[torch.float32].segments) == 1
     store.restore(CpuTransport())
+
+
+def _storages(store):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return [StorageWeakRef(s.untyped_storage()) for a in store.arenas.values() for s in a.tensors()]
+
+
+def test_restore_frees_each_segments_memory_even_when_the_owner_rewrapped_the_weights(one_block_per_segment,
+                                                                                      monkeypatch):
+    """The memory, not the segment objects: an owner that wrapped the same host memory in new parameter objects
+    (ComfyUI rebuilds fp8 QuantizedTensors around it whenever the model moves) left the entries' old objects
+    pointing into every segment until the end of the restore (found in review)."""
+    import gc
+
+    m = make_wan(mixed=True, n=6)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    store = HostStore(_blocks(m), CpuTransport())
+    for b in m.blocks:                     # the same memory in new objects
+        for name, p in list(b.named_parameters()):
+            mod = b.get_submodule(name.rpartition(".")[0]) if "." in name else b
+            setattr(mod, name.rpartition(".")[2], torch.nn.Parameter(p.data, requires_grad=False))
+    del p
+    storages = _storages(store)
+    alive = []
+    restore_entry = HostStore._restore_entry
+
+    def spy(self, e, transport):
+        restore_entry(self, e, transport)
+        gc.collect()
+        alive.append(sum(not w.expired() for w in storages))
+    monkeypatch.setattr(HostStore, "_restore_entry", spy)
+    store.restore(CpuTransport())
+    assert alive[0] == len(storages) and min(alive) < len(storages) - 2, alive      # freed as it goes
+    gc.collect()
+    assert all(w.expired() for w in storages)
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+def test_restore_unpins_each_segment_before_it_frees_it(one_block_per_segment, monkeypatch):
+    import gc
+
+    m = make_wan(mixed=False, n=4)
+    tr = CpuTransport()
+    pinned = {}
+    monkeypatch.setattr(tr, "pin", lambda t: pinned.setdefault(t.data_ptr(), True) and
+                        PinResult(True, "pinned", tensor_nbytes(t)))
+    monkeypatch.setattr(tr, "unpin", lambda t: pinned.pop(t.data_ptr()))
+    store = HostStore(_blocks(m), tr)
+    segments = store.arenas[torch.float32].tensors()
+    assert sorted(pinned) == sorted(s.data_ptr() for s in segments)
+    storages = _storages(store)
+    del segments
+    seen = []
+    restore_entry = HostStore._restore_entry
+
+    def spy(self, e, transport):
+        restore_entry(self, e, transport)
+        gc.collect()
+        seen.append((len(pinned), sum(not w.expired() for w in storages)))
+    monkeypatch.setattr(HostStore, "_restore_entry", spy)
+    store.restore(tr)
+    assert not pinned and store.pinned_bytes == 0
+    # while restoring, a segment still pinned is a segment still held, and the held ones go as it goes
+    assert all(n_pinned <= n_alive for n_pinned, n_alive in seen) and seen[-1][1] <= 2, seen
+
+
+def test_a_store_built_plain_and_packed_later_packs_its_segments_as_one(one_block_per_segment, monkeypatch):
+    """Packing encodes a whole arena: a store built unpacked (the GPU suite's) is merged into one tensor when
+    packed, its weights rebound to it, and pinned where its segments were (it raised an AssertionError, found in
+    review)."""
+    m = make_wan(mixed=True, n=6)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr = RecordingTransport(CpuTransport())
+    monkeypatch.setattr(tr, "pin", lambda t: PinResult(True, "pinned", tensor_nbytes(t)))
+    monkeypatch.setattr(tr, "unpin", lambda t: None)
+    store = HostStore(_blocks(m), tr)
+    store._needs_pinning = True
+    assert len(store.arenas[torch.bfloat16].segments) > 1 and store.arena_pinned(torch.bfloat16)
+    store.pack_arenas(tr)
+    bf16 = store.arenas[torch.bfloat16]
+    assert len(bf16.segments) == 1 and store.arena_pinned(torch.bfloat16)
+    assert len(store.arenas[torch.float32].segments) > 1             # only the packed dtype is merged
+    lo, hi = bf16.ranges()[0]
+    assert all(lo <= p.data_ptr() < hi for b in m.blocks for p in b.parameters() if p.dtype == torch.bfloat16)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, packed=True, partial_blocks=False), tr, bandwidth=0,
+                             store=store, layout=_layout(m))
+    try:
+        with torch.no_grad():
+            m(x, t)
+            assert torch.equal(m(x, t), ref)
+        assert h.plan.packed
+    finally:
+        h.remove()
+    store.restore(tr)
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+def _layout(m):
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    return find_blocks(m)

@@ -241,3 +241,48 @@ def test_cuda_wrapped_weights_stream_bit_identical_with_device_wrappers():
         hook.remove()
         h.remove()
     assert all(p.device.type == "cpu" for p in m.parameters())
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on ``t``'s memory (not a view: no ``_base`` keeping ``t`` alive)."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def test_giving_back_a_copy_of_wrapped_weights_frees_each_segment(monkeypatch):
+    """A store reused across runs (the ComfyUI bridge's) keeps the engine's handle on each wrapper around host
+    copies (``_Wrapped.host``) after a run: restoring must let go of those too, or every segment stays."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from comfyui_levers.core.residency import prefetch as P
+    from comfyui_levers.core.residency.blocks import find_blocks
+
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 1)
+    m = _model()
+    x = wan_inputs()
+    with torch.no_grad():
+        ref = m(*x)
+    tr = CpuTransport()
+    layout = find_blocks(m)
+    store = P.HostStore(layout.blocks, tr)
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0,
+                             store=store, layout=layout)
+    with torch.no_grad():
+        m(*x)
+    h.remove()
+    assert any(w.host is not None for w in store.wrapped)
+    for mod in m.modules():      # the owner rebuilds its wrappers around the same host memory (ComfyUI's fp8 layers)
+        q = mod._parameters.get("weight")
+        if type(q) is Fp8Wrapper:
+            new = Fp8Wrapper(*(_alias(t) for t in (q._qdata, q._scale)))
+            new._is_param = True
+            mod._parameters["weight"] = new
+    del q, new
+    storages = [StorageWeakRef(s.untyped_storage()) for a in store.arenas.values() for s in a.tensors()]
+    store.restore(tr)
+    del h
+    gc.collect()
+    assert all(w.expired() for w in storages)
+    with torch.no_grad():
+        assert torch.equal(m(*x), ref)

@@ -505,6 +505,9 @@ class HostStore:
         arena (nothing copies from it in the hot path); one packed later keeps both pinned."""
         if self._planes:
             return
+        for dtype, arena in self.arenas.items():
+            if dtype in PACKABLE and len(arena.segments) > 1:
+                self._merge_segments(transport, arena)
         t0 = time.perf_counter()
         with torch.inference_mode(False):
             for dtype, arena in self.arenas.items():
@@ -514,6 +517,34 @@ class HostStore:
         for dtype, pk in self._planes.items():
             self.pin_results[dtype] = self._pin_planes(pk, transport, pin)
         self._fingerprints = {id(e): self._sample(e) for e in self.entries if e.dtype in self._planes}
+
+    def _merge_segments(self, transport: Transport, arena: _Arena) -> None:
+        """Hold ``arena`` as one tensor (packing encodes a whole arena): a store built unpacked and packed later.
+        Its weights are rebound to the merged copy, which is pinned where every segment was."""
+        pinned = self.arena_pinned(arena.dtype) and self._needs_pinning
+        with torch.no_grad(), torch.inference_mode(self.inference):
+            whole = torch.empty(arena.numel(), dtype=arena.dtype, device="cpu")
+            for s0, seg in zip(arena.bounds, arena.segments):
+                whole[s0:s0 + seg.numel()].copy_(seg)
+            old = arena.tensors()
+            arena.bounds, arena.segments = [0, arena.numel()], [whole]
+            for e in self.entries:
+                if e.dtype != arena.dtype:
+                    continue
+                view = e.host_view
+                e.host_view = arena.view(e.offset, e.shape, e.stride)
+                t = e.refs[0].get()
+                if t is not None and t.data_ptr() == view.data_ptr():
+                    self._bind_host(e)
+        for seg in old:
+            if any(t is seg for t in self._pinned_arenas):
+                transport.unpin(seg)
+                self._pinned_arenas[:] = [t for t in self._pinned_arenas if t is not seg]
+        if pinned:
+            r = transport.pin(whole)
+            self.pin_results[arena.dtype] = r
+            if r.pinned:
+                self._pinned_arenas.append(whole)
 
     def _sample(self, e: _Entry) -> torch.Tensor:
         """Up to 256 evenly spaced values of ``e``'s arena range, as bits (a cheap fingerprint)."""
@@ -550,7 +581,7 @@ class HostStore:
                 if any(t is p for p in self._pinned_planes):
                     transport.unpin(t)
                     self._pinned_planes[:] = [p for p in self._pinned_planes if p is not t]
-            if self.pin_results[dtype].pinned:
+            if any(pk.sm is p for p in self._pinned_planes):      # the planes are pinned: so are their escapes
                 for t in (pk.esc_pos, pk.esc_val):
                     if t.numel() and transport.pin(t).pinned:
                         self._pinned_planes.append(t)
@@ -634,7 +665,9 @@ class HostStore:
 
     def _restore_entry(self, e: _Entry, transport: Transport) -> None:
         t = e.refs[0].get()
-        view, e.host_view = e.host_view, None      # the entry's view is one of the last references to its segment
+        # the entry's view, and the tensor it bound (ComfyUI may have wrapped the same memory in a new object
+        # since), are among the last references to its segment
+        view, e.host_view, e.tensor = e.host_view, None, None
         if t is None or t.data_ptr() != view.data_ptr():
             return  # the owner already rebound it elsewhere
         fresh = torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device="cpu")
@@ -653,7 +686,9 @@ class HostStore:
         if not todo:
             return
         if self._decide_pin is not None:
-            ok, why = self._decide_pin(sum(a.nbytes for _, a in todo), True)
+            pinned = {id(t) for t in self._pinned_arenas}
+            ok, why = self._decide_pin(sum(tensor_nbytes(t) for _, a in todo for t in a.tensors()
+                                           if id(t) not in pinned), True)
             if not ok:
                 for d, _ in todo:
                     self.pin_results[d] = PinResult(False, why)
