@@ -235,6 +235,18 @@ class _Arena:
 PinDecider = Callable[[int, bool], tuple[bool, str]]
 
 
+def _pin_each(transport: Transport, tensors: Sequence[torch.Tensor], into: list[torch.Tensor]) -> PinResult | None:
+    """Pin each tensor (fail-soft), adding those pinned to ``into`` (a store's list); the first failure, or None."""
+    bad = None
+    for t in tensors:
+        r = transport.pin(t)
+        if r.pinned:
+            into.append(t)
+        else:
+            bad = bad or r
+    return bad
+
+
 def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
     """Unpin and forget every tensor in ``pinned`` (lists a store owns; emptied in place)."""
     for group in pinned:
@@ -463,17 +475,9 @@ class HostStore:
 
     def _pin_segments(self, transport: Transport, arena: _Arena) -> PinResult:
         """Pin the arena's segments that are not pinned yet (fail-soft): the first failure, else pinned."""
-        bad = None
         pinned = {id(t) for t in self._pinned_arenas}
-        for seg in arena.tensors():
-            if id(seg) in pinned or not seg.numel():
-                continue
-            r = transport.pin(seg)
-            if r.pinned:
-                self._pinned_arenas.append(seg)
-            else:
-                bad = bad or r
-        return bad or PinResult(True, "pinned", arena.nbytes)
+        todo = [seg for seg in arena.tensors() if id(seg) not in pinned and seg.numel()]
+        return _pin_each(transport, todo, self._pinned_arenas) or PinResult(True, "pinned", arena.nbytes)
 
     def _stage(self, e: _Entry, src: torch.Tensor, transport: Transport) -> bool:
         """Copy ``src`` into the entry's arena view. Returns True when it was a device->host copy."""
@@ -556,13 +560,7 @@ class HostStore:
     def _pin_planes(self, pk: PackedArena, transport: Transport, pin: bool) -> PinResult:
         if not pin:
             return PinResult(False, self._unpinned_reason)
-        bad = None
-        for t in (t for t in pk.planes() if t.numel()):
-            r = transport.pin(t)
-            if r.pinned:
-                self._pinned_planes.append(t)
-            else:
-                bad = bad or r
+        bad = _pin_each(transport, [t for t in pk.planes() if t.numel()], self._pinned_planes)
         return bad or PinResult(True, "packed planes pinned", pk.nbytes)
 
     def _repack(self, changed: Sequence[_Entry], transport: Transport) -> None:
