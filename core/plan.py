@@ -603,6 +603,11 @@ def plan(spec: ModelSpec, wl: Workload, machine: Machine, goal: Goal | str = Goa
         notes.append(f"frames={wl.frames}: {spec.name}'s VAE decodes {spec.vae_temporal}n+1 frames, so ComfyUI's "
                      f"latent for this length gives {decoded} (use {decoded} or "
                      f"{decoded + spec.vae_temporal}); planned for {wl.frames}")
+    v = spec.vae_spatial
+    if v > 8 and (wl.width % v or wl.height % v):
+        notes.append(f"size: {wl.width}x{wl.height} is not a multiple of {spec.name}'s {v}-pixel latent cell: "
+                     f"ComfyUI's latent nodes make {wl.width // v}x{wl.height // v} cells for it "
+                     f"({wl.width // v * v}x{wl.height // v * v} px), which the DiT is planned for; use that size")
     if wl.references and not takes_references(spec):
         notes.append(f"reference_images={wl.references} ignored: {spec.name} takes no reference images into its "
                      f"sequence (ComfyUI's ReferenceLatent is for FLUX Kontext, FLUX.2, Qwen-Image-Edit and Z-Image); "

@@ -104,7 +104,9 @@ class ModelSpec:
         return max(1, (max(1, frames) - 1) // self.vae_temporal + 1)
 
     def image_tokens(self, width: int, height: int, frames: int = 1) -> int:
-        cells = math.ceil(width / self.vae_spatial / self.patch) * math.ceil(height / self.vae_spatial / self.patch)
+        # ComfyUI's empty-latent nodes take width // vae_spatial cells; the DiT pads those to whole patches
+        cells = (math.ceil(width // self.vae_spatial / self.patch)
+                 * math.ceil(height // self.vae_spatial / self.patch))
         t = math.ceil(self.latent_frames(frames) / self.patch_t)
         return cells * t
 

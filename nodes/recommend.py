@@ -72,7 +72,7 @@ class LeversRecommend(io.ComfyNode):
     def execute(cls, model_preset, width, height, frames, steps, batch, goal, vram_gb, ram_gb,
                 model=None, clip=None, vae=None, model_2=None, reference_images=0) -> io.NodeOutput:
         spec, notes = measure(model, clip, vae, preset=model_preset, model_2=model_2)
-        width, height, size_note = latent_size(width, height)
+        width, height, size_note = latent_size(width, height)     # this model's own cell (16, 32 px): a note in plan
         notes = [*notes, *([size_note] if size_note else [])]
         machine = machine_for_comfy(modules=connected_modules(model, clip, vae, model_2))
         if vram_gb or ram_gb:

@@ -1117,3 +1117,18 @@ def test_a_pageable_figure_above_the_pinned_one_never_makes_streaming_look_faste
     assert p.diffusion_model.residency is Residency.STREAMED
     assert all(c.pin for c in p.components if c.residency is not Residency.RESIDENT)
     assert any(n.startswith("pinning: on") for n in p.notes), [n for n in p.notes if n.startswith("pinning")]
+
+
+@pytest.mark.parametrize("model,cell", [("hunyuanvideo-1.5", 16), ("hunyuanimage-2.1", 32), ("ltxv", 32)])
+def test_a_size_off_the_models_latent_cell_is_planned_as_comfyuis_latent_with_a_note(model, cell):
+    """ComfyUI's empty-latent nodes for 16- and 32-pixel VAEs take width // cell cells: 840 px on a 16-pixel cell
+    is 52 cells (832 px). The plan sizes the DiT for that and says so; it padded up to 53 cells, silently."""
+    spec = get_preset(model)
+    w, h = 26 * cell + 8, 15 * cell
+    odd = plan(spec, Workload(w, h, spec.default_frames, 4), machine(16, ram=64))
+    even = plan(spec, Workload(26 * cell, h, spec.default_frames, 4), machine(16, ram=64))
+    assert spec.tokens(w, h, spec.default_frames) == spec.tokens(26 * cell, h, spec.default_frames)
+    assert odd.activation_bytes == even.activation_bytes
+    assert any(n.startswith(f"size: {w}x{h} is not a multiple of {spec.name}'s {cell}-pixel latent cell")
+               and f"({26 * cell}x{h} px)" in n for n in odd.notes), odd.notes
+    assert not any(n.startswith("size:") for n in even.notes)
