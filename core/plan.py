@@ -581,7 +581,7 @@ def vram_withheld(machine: Machine) -> tuple[int, list[str]]:
 
 def pin_rule(pinned_set_bytes: int, machine: Machine) -> tuple[bool, str]:
     """Seed 002's rule, the same one PhaseOffload's pinned store applies (core.residency.pinned)."""
-    from .residency.pinned import pin_decision
+    from .pin_rule import pin_decision
 
     return pin_decision(pinned_set_bytes, machine.ram_available_bytes, machine.os, bool(machine.gpus),
                         total_ram_bytes=machine.ram_total_bytes)
@@ -898,7 +898,8 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     extra_need = act + vae_decode_bytes(spec, wl)
     chosen = None
     stored = stored_precision(spec)
-    for p in (Precision.FP32, Precision.BF16, Precision.FP8_E4M3FN):
+    fp8 = machine.libraries.get("fp8_storage")        # a torch that cannot store fp8 cannot load fp8 weights
+    for p in (Precision.FP32, Precision.BF16) + ((Precision.FP8_E4M3FN,) if fp8 is None or fp8.ok else ()):
         dit_b = (int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN and stored is None
                  else dit_weight_bytes(spec, p))
         te_b = int(spec.te_params * bytes_per_param(p))

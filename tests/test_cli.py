@@ -197,10 +197,11 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("argv", [["--help"], ["quantize", "a.safetensors", "b.safetensors", "--format", "fp8"],
                                   ["bench", "--cpu", "--quick"], ["demo"],
                                   ["recommend", "--vram-gb", "8", "--ram-gb", "32", "--h2d-gbps", "10"],
-                                  ["run", "sdxl_8gb", "--set", "x"]])
+                                  ["recommend"], ["run", "sdxl_8gb", "--set", "x"]])
 def test_without_torch_every_command_says_what_it_needs_instead_of_a_traceback(argv):
-    """torch is not a dependency (ComfyUI brings its own): `levers --help` and `levers run` work without it, and a
-    command that needs it says so (exit 2). Each crashed on the quantize module's torch import."""
+    """torch is not a dependency (ComfyUI brings its own): `levers --help`, `levers recommend` (planning needs no
+    torch) and `levers run` work without it, and a command that needs it says so (exit 2). Each crashed on the
+    quantize module's torch import."""
     import subprocess
     import sys
 
@@ -210,5 +211,8 @@ def test_without_torch_every_command_says_what_it_needs_instead_of_a_traceback(a
         assert r.returncode == 0 and "quantize" in r.stdout and "needs PyTorch" in r.stdout
     elif argv[0] == "run":
         assert r.returncode == 2 and "NODE.INPUT=VALUE" in r.stderr, r.stderr    # the client needs no torch
+    elif argv[0] == "recommend":
+        assert r.returncode == 0 and "Levers plan: flux1-dev" in r.stdout, r.stderr
+        assert "fp8_e4m3fn" not in r.stdout.split("\n\n")[1], r.stdout       # no torch stores no fp8
     else:
         assert r.returncode == 2 and "needs PyTorch" in r.stderr and "pip install torch" in r.stderr, r.stderr

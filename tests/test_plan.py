@@ -1132,3 +1132,18 @@ def test_a_size_off_the_models_latent_cell_is_planned_as_comfyuis_latent_with_a_
     assert any(n.startswith(f"size: {w}x{h} is not a multiple of {spec.name}'s {cell}-pixel latent cell")
                and f"({26 * cell}x{h} px)" in n for n in odd.notes), odd.notes
     assert not any(n.startswith("size:") for n in even.notes)
+
+
+def test_a_cpu_plan_never_stores_fp8_where_torch_cannot():
+    """With no GPU, weights may be stored smaller to fit the RAM; fp8 only where torch can store it (a torch that
+    cannot, or none at all, planned fp8 weights while its machine line said fp8_storage: no; found in review)."""
+    from dataclasses import replace
+
+    from comfyui_levers.core.probe import Capability
+
+    m = machine(0, ram=24)                        # FLUX bf16 does not fit 24 GiB: fp8 would
+    assert plan(get_preset("flux1-dev"), Workload(1024, 1024), m).diffusion_model.precision is Precision.FP8_E4M3FN
+    no_fp8 = replace(m, libraries={**m.libraries, "fp8_storage": Capability(False, "torch is not installed")})
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), no_fp8)
+    assert all(c.precision is not Precision.FP8_E4M3FN for c in (p.diffusion_model, p.text_encoder)), p
+    assert not p.fits
