@@ -578,8 +578,10 @@ def _range(spec: InputSpec) -> str:
     low, high = spec.options.get("min"), spec.options.get("max")
     if low is None and high is None:
         return ""
-    step = spec.options.get("step")
-    return f"{low if low is not None else ''} .. {high if high is not None else ''}" + (f" step {step}" if step else "")
+    step, rounding = spec.options.get("step"), spec.options.get("round")
+    # the widget's arrows move by ``step``; a typed value keeps ``round``'s precision (0.034 GiB stays 0.034 at 0.001)
+    return (f"{low if low is not None else ''} .. {high if high is not None else ''}" + (f" step {step}" if step else "")
+            + (f", typed to {rounding}" if rounding and rounding != step else ""))
 
 
 def _cell(text: str) -> str:
