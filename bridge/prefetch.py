@@ -686,7 +686,10 @@ class _Session:
                     mapped += n if maps.writable(x.data_ptr(), n) is False else 0
 
         def decide(nbytes: int, allocated: bool) -> tuple[bool, str]:
-            pin, why = arena_pin_decision(PinMode.AUTO, nbytes, True, replaced_bytes=replaced,
+            # once the copy exists (a packed copy's planes, a later run's fallback), what Levers holds pinned is
+            # read as it is: masters it replaced and still pinned then are still held (and the figures taken here
+            # would be stale by a later run)
+            pin, why = arena_pin_decision(PinMode.AUTO, nbytes, True, replaced_bytes=0 if allocated else replaced,
                                           mapped_bytes=0 if allocated else mapped)
             return pin, why if pin else f"{why}; pin = on pins it anyway (each step's copies run at pageable speed now)"
         return decide
