@@ -131,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in parser.needs_torch:
         return _needs_torch(argv[0])
-    try:
-        args = parser.parse_args(argv)
-    except ModuleNotFoundError as exc:     # a subcommand's options that import torch (argument types, choices)
-        if exc.name != "torch":
-            raise
-        return _needs_torch(argv[0] if argv else "")
+    args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

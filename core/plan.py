@@ -255,6 +255,12 @@ class _TeOption:
     prompts: int = 1                 # encodes per generation (a negative prompt is a second one)
 
 
+def stores_fp8(machine: Machine) -> bool:
+    """Whether torch here can hold fp8 weights (unknown counts as yes): one that cannot cannot load fp8 files."""
+    cap = machine.libraries.get("fp8_storage")
+    return cap is None or cap.ok
+
+
 def available_precisions(machine: Machine, notes: list[str]) -> list[Precision]:
     gpu = machine.gpu
     ladder = [Precision.BF16 if (gpu is None or gpu.bf16) else Precision.FP16]
@@ -381,8 +387,7 @@ def _te_options(spec, wl, machine, budget) -> list[_TeOption]:
     p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
     # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning; a torch that
     # cannot store fp8 cannot load them either
-    fp8 = machine.libraries.get("fp8_storage")
-    precisions = ((p16, 0.0),) + (((Precision.FP8_E4M3FN, 0.2),) if fp8 is None or fp8.ok else ())
+    precisions = ((p16, 0.0),) + (((Precision.FP8_E4M3FN, 0.2),) if stores_fp8(machine) else ())
     room = budget - te_act                    # the encode phase has the card to itself (PhaseOffload)
     prompts = dit_passes(spec, wl)            # a CFG run encodes its negative prompt too
     for p, loss in precisions:
@@ -898,8 +903,7 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     extra_need = act + vae_decode_bytes(spec, wl)
     chosen = None
     stored = stored_precision(spec)
-    fp8 = machine.libraries.get("fp8_storage")        # a torch that cannot store fp8 cannot load fp8 weights
-    for p in (Precision.FP32, Precision.BF16) + ((Precision.FP8_E4M3FN,) if fp8 is None or fp8.ok else ()):
+    for p in (Precision.FP32, Precision.BF16) + ((Precision.FP8_E4M3FN,) if stores_fp8(machine) else ()):
         dit_b = (int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN and stored is None
                  else dit_weight_bytes(spec, p))
         te_b = int(spec.te_params * bytes_per_param(p))

@@ -247,6 +247,13 @@ def _pin_each(transport: Transport, tensors: Sequence[torch.Tensor], into: list[
     return bad
 
 
+def _unpin_one(transport: Transport, t: torch.Tensor, pinned: list[torch.Tensor]) -> None:
+    """Unpin ``t`` if it is in ``pinned`` (a store's list, changed in place) and drop it from there."""
+    if any(p is t for p in pinned):
+        transport.unpin(t)
+        pinned[:] = [p for p in pinned if p is not t]
+
+
 def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
     """Unpin and forget every tensor in ``pinned`` (lists a store owns; emptied in place)."""
     for group in pinned:
@@ -454,11 +461,9 @@ class HostStore:
         seg = torch.empty(arena.bounds[i + 1] - arena.bounds[i], dtype=arena.dtype, device="cpu")
         arena.segments[i] = seg
         if pin and not (self._pack_wanted and arena.dtype in PACKABLE) and seg.numel():
-            r = transport.pin(seg)
-            if r.pinned:
-                self._pinned_arenas.append(seg)
-            else:
-                failed.setdefault(arena.dtype, r)
+            bad = _pin_each(transport, [seg], self._pinned_arenas)
+            if bad is not None:
+                failed.setdefault(arena.dtype, bad)
 
     def _decide(self, nbytes: int, allocated: bool) -> None:
         self._pin, why = self._decide_pin(nbytes, allocated)
@@ -541,14 +546,9 @@ class HostStore:
                 if t is not None and t.data_ptr() == view.data_ptr():
                     self._bind_host(e)
         for seg in old:
-            if any(t is seg for t in self._pinned_arenas):
-                transport.unpin(seg)
-                self._pinned_arenas[:] = [t for t in self._pinned_arenas if t is not seg]
+            _unpin_one(transport, seg, self._pinned_arenas)
         if pinned:
-            r = transport.pin(whole)
-            self.pin_results[arena.dtype] = r
-            if r.pinned:
-                self._pinned_arenas.append(whole)
+            self.pin_results[arena.dtype] = self._pin_segments(transport, arena)
 
     def _sample(self, e: _Entry) -> torch.Tensor:
         """Up to 256 evenly spaced values of ``e``'s arena range, as bits (a cheap fingerprint)."""
@@ -576,9 +576,7 @@ class HostStore:
             arena = self.arenas[dtype].tensor
             self._on_pack_device(transport, lambda dev: repack_ranges(pk, arena, ranges, device=dev))
             for t in old:
-                if any(t is p for p in self._pinned_planes):
-                    transport.unpin(t)
-                    self._pinned_planes[:] = [p for p in self._pinned_planes if p is not t]
+                _unpin_one(transport, t, self._pinned_planes)
             if any(pk.sm is p for p in self._pinned_planes):      # the planes are pinned: so are their escapes
                 for t in (pk.esc_pos, pk.esc_val):
                     if t.numel() and transport.pin(t).pinned:
@@ -648,9 +646,7 @@ class HostStore:
                     for e in by_segment.get(i, ()):
                         self._restore_entry(e, transport)
                     if seg is not None:
-                        if any(t is seg for t in self._pinned_arenas):
-                            transport.unpin(seg)
-                            self._pinned_arenas[:] = [t for t in self._pinned_arenas if t is not seg]
+                        _unpin_one(transport, seg, self._pinned_arenas)
                         arena.segments[i] = None
                     del seg
         transport.synchronize()  # one-time: restored copies must land before the packed planes go
