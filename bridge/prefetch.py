@@ -660,9 +660,9 @@ class _Session:
         """Whether the host copy about to be built is page-locked, and why (``arena_pin_decision``), asked by the
         store with the exact bytes it is about to pin (``HostStore``'s ``decide_pin``): the RAM rule counts what
         Levers holds pinned already, less the pinned masters of the weights the copy takes over (PhaseOffload's),
-        and leaves out of the available RAM the weights read from read-only file mappings (until the copy exists:
-        the RAM read after it was built already went to it). Both are read from the blocks now, before the copy
-        takes their place."""
+        and leaves out of the available RAM the weights that are a file's page cache (file mappings not written
+        since; until the copy exists: the RAM read after it was built already went to it). Both are read from the
+        blocks now, before the copy takes their place."""
         req = self.state.request
         has_cuda = torch.device(transport.device).type == "cuda"
         mode = self._pin_mode()
@@ -683,7 +683,7 @@ class _Session:
                     seen.add(x.data_ptr())
                     n = tensor_nbytes(x)
                     replaced += n if pinned_by_levers(x) else 0
-                    mapped += n if maps.writable(x.data_ptr(), n) is False else 0
+                    mapped += maps.page_cache(x.data_ptr(), n)
 
         def decide(nbytes: int, allocated: bool) -> tuple[bool, str]:
             # once the copy exists (a packed copy's planes, a later run's fallback), what Levers holds pinned is

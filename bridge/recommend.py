@@ -314,8 +314,9 @@ def _second_expert(model, model_2, spec: ModelSpec, family: str | None, upd: dic
 
 def host_held_bytes(modules) -> int:
     """Host RAM that ``modules`` and Levers' own page-locked host copies hold now, in memory the OS does not count as
-    available: each storage once, read-only file mappings left out (ComfyUI 0.33's memory-mapped weights and GGUF
-    files are page cache, which the OS counts as available already)."""
+    available: each storage once, file mappings' unwritten pages left out (ComfyUI 0.33's memory-mapped weights, GGUF
+    files, a loader's ``torch.load(mmap=True)`` or safetensors tensors kept as loaded: page cache, which the OS counts
+    as available already)."""
     from ..core.residency.transport import HostMaps, pinned_ranges_by_levers
 
     maps = HostMaps.read()
@@ -331,8 +332,8 @@ def host_held_bytes(modules) -> int:
                     ptr, n = storage.data_ptr(), storage.nbytes()
                 except (RuntimeError, NotImplementedError):     # a tensor without its own storage: nothing held
                     continue
-                if ptr and ptr not in held and maps.writable(ptr, n) is not False:
-                    held[ptr] = n
+                if ptr and ptr not in held:
+                    held[ptr] = n - maps.page_cache(ptr, n)
     # masters PhaseOffload or GroupPrefetch keep while the model is on the GPU: the plan's host copies too
     held.update({start: n for start, n in pinned_ranges_by_levers() if start not in held})
     return sum(held.values())

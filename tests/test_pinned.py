@@ -274,6 +274,40 @@ def test_host_maps_tell_read_only_file_mappings_from_writable_memory(read_only, 
     assert HostMaps.read(str(tmp_path / "absent")).writable(0x1000, 1) is None
 
 
+def test_host_maps_count_a_files_unwritten_pages_as_page_cache(read_only, tmp_path):
+    """Found in review: a private writable file mapping (``torch.load(mmap=True)``, safetensors' tensors kept as
+    loaded) was counted as memory the process holds, like anonymous RAM, although its unwritten pages are page cache
+    the OS counts as available: Recommend added them back to the available RAM (counted twice) and GroupPrefetch's
+    pin rule took them for free RAM. Now a file mapping's pages are page cache unless written (smaps' Anonymous)."""
+    from comfyui_levers.core.residency.transport import HostMaps
+
+    n = 1 << 22
+    torch.save({"w": torch.randn(n // 4)}, tmp_path / "w.pt")
+    mm = torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)["w"]
+    ro, anon = read_only(torch.randn(4096)), torch.randn(4096)
+    maps = HostMaps.read()
+    assert maps.writable(mm.data_ptr(), n) is True                     # writable: it may be pinned in place
+    assert maps.page_cache(mm.data_ptr(), n) == n
+    assert maps.page_cache(ro.data_ptr(), ro.nbytes) == ro.nbytes
+    assert maps.page_cache(anon.data_ptr(), anon.nbytes) == 0
+    mm.add_(1.0)                                                       # written: the pages are this process's now
+    assert HostMaps.read().page_cache(mm.data_ptr(), n) < n // 50
+    # the parsing, on a stand-in: a shared file mapping is all page cache, a private one less its written pages
+    # (spread over the mapping), anonymous memory none, and an unreadable smaps counts a private mapping as written
+    (tmp_path / "maps").write_text("1000-3000 r--s 00000000 08:01 12 /models/x.gguf\n"
+                                   "3000-7000 rw-p 00000000 08:01 13 /models/y.pt\n"
+                                   "7000-9000 rw-p 00000000 00:00 0\n")
+    (tmp_path / "smaps").write_text("1000-3000 r--s 00000000 08:01 12 /models/x.gguf\nSize: 8 kB\nAnonymous: 0 kB\n"
+                                    "3000-7000 rw-p 00000000 08:01 13 /models/y.pt\nSize: 16 kB\nAnonymous: 4 kB\n"
+                                    "VmFlags: rd wr mr mw me ac\n7000-9000 rw-p 00000000 00:00 0\nAnonymous: 8 kB\n")
+    m = HostMaps.read(str(tmp_path / "maps"))
+    assert m.page_cache(0x1000, 0x2000) == 0x2000 and m.page_cache(0x7000, 0x2000) == 0
+    assert m.page_cache(0x3000, 0x4000) == 0x3000 and m.page_cache(0x2000, 0x3000) == 0x1000 + 0x1800
+    (tmp_path / "smaps").unlink()
+    assert HostMaps.read(str(tmp_path / "maps")).page_cache(0x3000, 0x4000) == 0
+    assert HostMaps.read(str(tmp_path / "absent")).page_cache(0x1000, 0x100) == 0
+
+
 def test_read_only_groups_are_copied_into_writable_memory_before_pinning(read_only):
     from comfyui_levers.core.residency.transport import HostMaps
 

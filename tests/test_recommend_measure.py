@@ -168,7 +168,7 @@ def test_a_second_input_that_is_not_a_model_names_model_2():
         measure(_patcher(_flux()), model_2="a string")
 
 
-def test_the_ram_the_connected_models_hold_is_added_back_to_the_available_ram(monkeypatch, read_only):
+def test_the_ram_the_connected_models_hold_is_added_back_to_the_available_ram(monkeypatch, read_only, tmp_path):
     """Found in review: inside ComfyUI the available RAM is read when Recommend runs, after the loaders read the models
     into RAM (and after a run left PhaseOffload's masters pinned), while the plan counts those very bytes among the
     host copies it needs: they were counted twice, and a re-run could plan another precision. Their bytes are added
@@ -190,6 +190,12 @@ def test_the_ram_the_connected_models_hold_is_added_back_to_the_available_ram(mo
     mapped.weight = nn.Parameter(read_only(mapped.weight.data), requires_grad=False)
     m = R.machine_for_comfy(base, modules=[mapped])
     assert m.ram_available_bytes == 10 * GiB + mapped.bias.nbytes      # the mapped weight is page cache
+    # so is a private writable file mapping's unwritten weight (a loader's torch.load(mmap=True), safetensors' own)
+    torch.save({"w": torch.randn(256, 256)}, tmp_path / "w.pt")
+    private = nn.Linear(256, 256)
+    private.weight = nn.Parameter(torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)["w"],
+                                  requires_grad=False)
+    assert R.machine_for_comfy(base, modules=[private]).ram_available_bytes == 10 * GiB + private.bias.nbytes
     # masters Levers keeps pinned while the model is on the GPU count too
     monkeypatch.setattr(transport, "pinned_ranges_by_levers", lambda: [(12345, 3 * GiB)])
     assert R.machine_for_comfy(base).ram_available_bytes == 13 * GiB

@@ -48,8 +48,8 @@ def arena_pin_decision(mode: PinMode | str, nbytes: int, has_cuda: bool, *, repl
     ``auto`` is seed 002's rule (``pin_decision``) over everything Levers would then hold page-locked in this
     process: the ranges it pinned already (PhaseOffload's masters, other arenas), less ``replaced_bytes`` of them
     that the arena takes over (pinned masters of the weights it streams), plus the arena. Available RAM leaves out
-    ``mapped_bytes`` of weights read from read-only file mappings: the OS counts those pages as available page
-    cache, and their copy in the arena is unswappable RAM. ``on`` pins regardless (still failing soft); ``off``
+    ``mapped_bytes`` of weights that are a file's page cache (file mappings, read-only or private and not written):
+    the OS counts those pages as available, and their copy in the arena is unswappable RAM. ``on`` pins regardless (still failing soft); ``off``
     never pins. RAM and the OS are read here unless given."""
     mode = PinMode.parse(mode, "pin")
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731

@@ -339,31 +339,43 @@ READ_ONLY_REASON = "read-only memory (a file mapped read-only: GGUF, or ComfyUI'
 
 
 class HostMaps:
-    """This process's memory mappings and whether each is writable (Linux ``/proc/self/maps``).
+    """This process's memory mappings: whether each is writable, and which are backed by a file (Linux
+    ``/proc/self/maps``).
 
     Page-locking a read-only file mapping in place fails on most systems (it needs cudaHostRegisterReadOnly)
     and leaves a stale CUDA error behind, so such memory is found before anything is registered. Read once per
-    batch of tensors; ``writable`` answers None where the mappings cannot be read (other OSes)."""
+    batch of tensors; ``writable`` answers None where the mappings cannot be read (other OSes).
 
-    def __init__(self, spans: list[tuple[int, int, bool]] | None) -> None:
+    A file mapping's pages are page cache, which the OS counts as available RAM, unless a private mapping's page
+    was written (then it is an anonymous copy): ``page_cache`` says how many bytes of a range are such pages, so
+    RAM rules neither count them as held nor as free twice."""
+
+    def __init__(self, spans: list[tuple[int, int, bool]] | None,
+                 files: dict[int, tuple[bool, int]] | None = None, smaps_path: str = "/proc/self/smaps") -> None:
         self.spans = spans               # sorted (start, end, writable)
         self._starts = [s for s, _, _ in spans] if spans else []
+        self.files = files or {}         # start -> (private, Anonymous bytes or -1 until smaps is read)
+        self._smaps_path = smaps_path
 
     @classmethod
-    def read(cls, path: str = "/proc/self/maps") -> "HostMaps":
+    def read(cls, path: str = "/proc/self/maps", smaps_path: str | None = None) -> "HostMaps":
         try:
             with open(path, encoding="ascii", errors="replace") as f:
                 lines = f.read().splitlines()
         except OSError:
             return cls(None)
-        spans = []
+        spans, files = [], {}
         for line in lines:
-            parts = line.split(maxsplit=2)
+            parts = line.split(maxsplit=5)
             if len(parts) < 2 or "-" not in parts[0]:
                 continue
             lo, hi = parts[0].split("-", 1)
-            spans.append((int(lo, 16), int(hi, 16), "w" in parts[1]))
-        return cls(sorted(spans))
+            start = int(lo, 16)
+            spans.append((start, int(hi, 16), "w" in parts[1]))
+            if len(parts) >= 5 and parts[4] != "0":                   # an inode: the mapping is of a file
+                files[start] = (parts[1][3:4] == "p", -1)
+        smaps = smaps_path or (path[:-len("maps")] + "smaps" if path.endswith("maps") else "")
+        return cls(sorted(spans), files, smaps)
 
     @classmethod
     def recent(cls, max_age_s: float = 2.0) -> "HostMaps":
@@ -376,23 +388,65 @@ class HostMaps:
             _MAPS = (now, cls.read())
         return _MAPS[1]
 
+    def _overlaps(self, ptr: int, nbytes: int):
+        """(start, end, writable, overlap bytes) of each mapping [ptr, ptr + nbytes) touches."""
+        if not self.spans or nbytes <= 0:
+            return
+        i = max(0, bisect.bisect_right(self._starts, ptr) - 1)
+        end = ptr + nbytes
+        while i < len(self.spans) and self.spans[i][0] < end:
+            lo, hi, w = self.spans[i]
+            if hi > ptr:
+                yield lo, hi, w, min(hi, end) - max(lo, ptr)
+            i += 1
+
     def writable(self, ptr: int, nbytes: int) -> bool | None:
         """True when every byte of [ptr, ptr + nbytes) is in a writable mapping, False when any is in a
         read-only one, None when unknown (mappings unreadable, or a byte outside every mapping)."""
         if self.spans is None or nbytes <= 0:
             return None
-        i = max(0, bisect.bisect_right(self._starts, ptr) - 1)
-        pos, end = ptr, ptr + nbytes
-        while pos < end and i < len(self.spans):
-            lo, hi, w = self.spans[i]
-            if lo > pos:
-                return None                # a hole: not memory this process maps
-            if hi > pos:
-                if not w:
-                    return False
-                pos = hi
-            i += 1
-        return True if pos >= end else None
+        covered = 0
+        for _, _, w, n in self._overlaps(ptr, nbytes):
+            if not w:
+                return False
+            covered += n
+        return True if covered >= nbytes else None
+
+    def page_cache(self, ptr: int, nbytes: int) -> int:
+        """Bytes of [ptr, ptr + nbytes) that are a file's page cache, not memory of this process: any file mapping
+        but a private mapping's written pages (its ``Anonymous`` pages in smaps, spread evenly over the mapping).
+        0 where the mappings cannot be read."""
+        total = 0
+        for lo, hi, _, n in self._overlaps(ptr, nbytes):
+            if lo not in self.files:
+                continue
+            private, anon = self.files[lo]
+            if private and anon < 0:
+                self._read_anonymous()
+                anon = self.files[lo][1]
+            written = min(1.0, max(0, anon) / (hi - lo)) if private else 0.0
+            total += int(n * (1.0 - written))
+        return total
+
+    def _read_anonymous(self) -> None:
+        """Each private file mapping's written (anonymous) bytes, from smaps; unreadable counts as all written
+        (nothing is then taken for page cache that may be this process's memory)."""
+        found: dict[int, int] = {}
+        try:
+            with open(self._smaps_path, encoding="ascii", errors="replace") as f:
+                start = None
+                for line in f:
+                    head = line.split(maxsplit=1)[0] if line.strip() else ""
+                    if "-" in head and not head.endswith(":"):
+                        start = int(head.split("-", 1)[0], 16)
+                    elif head == "Anonymous:" and start is not None:
+                        found[start] = int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        for lo, (private, anon) in list(self.files.items()):
+            if private and anon < 0:
+                span_end = self.spans[bisect.bisect_left(self._starts, lo)][1]
+                self.files[lo] = (True, found.get(lo, span_end - lo))
 
 
 def pinned_bytes_by_levers() -> int:

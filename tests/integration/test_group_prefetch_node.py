@@ -1060,11 +1060,11 @@ def test_the_host_copy_is_pinned_by_the_ram_rule_counting_what_levers_holds_pinn
     # ... but once the copy exists (a packed copy asks then, a later run's fallback too), masters still pinned are
     # still held: counted as they are, not from figures taken before the build
     assert not pin_arena(allocated=True)[0]
-    # and weights in a read-only file mapping take their bytes out of the available RAM
+    # and weights that are a file's page cache (a file mapping, not written) take their bytes out of the available RAM
     monkeypatch.setattr(tr, "_REGISTERED", {})
     monkeypatch.setattr(tr, "_STARTS", [])
     monkeypatch.setattr(bp.HostMaps, "recent", classmethod(lambda cls, max_age_s=0.0: SimpleNamespace(
-        writable=lambda ptr, n: False)))
+        page_cache=lambda ptr, n: n)))
     monkeypatch.setattr(pinned, "host_memory", lambda: (int(2.5 * streamed), 64 * 2 ** 30))
     ok, why = pin_arena()
     assert not ok and "cannot be swapped out" in why and "pin = on pins it anyway" in why, why
