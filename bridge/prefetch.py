@@ -329,6 +329,8 @@ class _Session:
                 self.too_small = (need, self.budget)
         # bytes per forward the kept host copy's layout streams beyond this run's least (None: not kept)
         self.kept_extra: int | None = None
+        # a host copy rebuilt for another layout: (bytes taken over from the old copy as they were, the copy's bytes)
+        self.rebuilt: tuple[int, int] | None = None
         if self.too_small is None:
             self._keep_built(other, cfg, n_dtypes, block_tensors, split_ok, depth)
         self._saved: dict[str, Any] = {}
@@ -642,12 +644,19 @@ class _Session:
                 w = getattr(bk, "weight", None)
                 if isinstance(w, torch.Tensor) and w.device.type == "cpu":
                     _own_storage(w, old_ranges)
-            cached[1].restore(transport)
-            # the old copy's memory goes before the pin decision reads the available RAM
+            # the copy of blocks this layout streams no more goes before the pin decision reads the available RAM;
+            # the rest stays for the new copy to take over where it is laid out the same (no copy, no pin again)
+            old = cached[1]
+            old.restore(transport, keep=[m for _, m in self.streamed])
             _STORES.pop(self.root, None)
             cached = None
+        else:
+            old = None
         store = HostStore(self.streamed, transport, exclude=tails, packed=packed,
-                          decide_pin=self._pin_decider(transport, tails))
+                          decide_pin=self._pin_decider(transport, tails), adopt=old)
+        if old is not None:
+            old.restore(transport)
+            self.rebuilt = (store.adopted_bytes, store.host_bytes)
         _STORES[self.root] = (ids, store)
         return store
 
@@ -752,6 +761,13 @@ class _Session:
             head += (f"\nhost copy kept: the layout it was built for still fits this budget and streams "
                      f"{_gb(self.kept_extra)} more per forward than the least this budget allows (at most "
                      f"{KEEP_SLACK:.0%} more), so it is not rebuilt and re-pinned for this run's size.")
+        if self.rebuilt is not None:
+            taken, total = self.rebuilt
+            head += (f"\nhost copy rebuilt for this layout: {_gb(taken)} of its {_gb(total)} taken over where the "
+                     f"last copy held it (not copied or pinned again), {_gb(total - taken)} copied."
+                     if taken else
+                     f"\nhost copy rebuilt for this layout: {_gb(total)} copied (no segment of the last copy held "
+                     f"the same blocks laid out the same).")
         if self.unloaded_stale:
             head += f"\n{self.unloaded_stale}."
         if self.skip_reason:
@@ -812,6 +828,9 @@ class PrefetchState:
                 if self.last_stats is not None:
                     # bytes per forward the kept host copy's layout streams beyond the run's least (None: not kept)
                     self.last_stats["host_copy_kept_extra_bytes"] = session.kept_extra
+                    # a rebuilt host copy: the bytes taken over from the last copy in place (None: not rebuilt)
+                    self.last_stats["host_copy_adopted_bytes"] = (session.rebuilt[0] if session.rebuilt is not None
+                                                                  else None)
             except Exception as e:        # the numbers are a report; close() restores the model regardless
                 log.warning("levers: GroupPrefetch stats failed (%s: %s)", type(e).__name__, e)
                 self.last_stats = None

@@ -280,3 +280,139 @@ def _layout(m):
     from comfyui_levers.core.residency.blocks import find_blocks
 
     return find_blocks(m)
+
+
+# --- a rebuild for another layout takes over the segments it can -------------------------------------------------
+
+def _pin_counting(monkeypatch):
+    tr = RecordingTransport(CpuTransport())
+    pinned: dict[int, int] = {}
+    calls = {"pin": 0, "unpin": 0}
+
+    def pin(t):
+        calls["pin"] += 1
+        pinned[t.data_ptr()] = tensor_nbytes(t)
+        return PinResult(True, "pinned", tensor_nbytes(t))
+
+    def unpin(t):
+        calls["unpin"] += 1
+        pinned.pop(t.data_ptr())
+    monkeypatch.setattr(tr, "pin", pin)
+    monkeypatch.setattr(tr, "unpin", unpin)
+    return tr, pinned, calls
+
+
+def _rebuild(old: HostStore, blocks, tr, **kw) -> HostStore:
+    """What GroupPrefetch does for a layout its cached copy was not built for."""
+    old.restore(tr, keep=[m for _, m in blocks])
+    new = HostStore(blocks, tr, adopt=old, **kw)
+    old.restore(tr)
+    return new
+
+
+def _segment_ids(store):
+    return {id(s) for a in store.arenas.values() for s in a.tensors()}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("before,after", [((3, 9), (0, 9)),       # more blocks stream: the old ones stay in place
+                                          ((1, 9), (4, 9))])      # fewer: the blocks no longer streamed go
+def test_a_rebuild_takes_over_the_old_copys_segments_without_copying_or_pinning_them_again(
+        one_block_per_segment, monkeypatch, mixed, before, after):
+    """Found in the known limits: a rebuild for another layout gave back the whole host copy and copied and pinned
+    all of it again (0.4 s/GiB to pin on the H200), though most blocks were streamed in both layouts. The
+    segments of blocks streamed in both are taken over as they are now: not copied, not registered again."""
+    m = make_wan(mixed=mixed, n=9)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr, pinned, calls = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    old = HostStore(blocks[slice(*before)], tr)
+    old._needs_pinning = True
+    old_segments = {id(s): s for s in (s for a in old.arenas.values() for s in a.tensors())}
+    both = [b for _, b in blocks[max(before[0], after[0]):]]
+    both_bytes = sum(tensor_nbytes(p) for b in both for p in [*b.parameters(), *b.buffers()])
+    pins_before, ops_before = calls["pin"], len(tr.ops)
+    new = _rebuild(old, blocks[slice(*after)], tr)
+    taken = _segment_ids(new) & set(old_segments)
+    # every block streamed in both layouts kept its segment (one block per segment here; mixed: the blocks
+    # alternate dtypes), with its bytes
+    assert len(taken) == len(both)
+    assert both_bytes <= new.adopted_bytes == sum(tensor_nbytes(old_segments[i]) for i in taken)
+    assert new.adopted_bytes < both_bytes + 64 * len(taken)
+    # only the segments it made are pinned; the taken-over ones stay pinned, never unpinned and pinned again
+    assert calls["pin"] - pins_before == len(_segment_ids(new) - set(old_segments))
+    assert set(pinned) == {s.data_ptr() for a in new.arenas.values() for s in a.tensors()}
+    assert not any(op.kind == "d2h" for op in tr.ops[ops_before:])
+    for b in both:                      # the weights were not moved
+        for p in b.parameters():
+            assert any(s.data_ptr() <= p.data_ptr() < s.data_ptr() + tensor_nbytes(s) for s in old_segments.values())
+    # the old store holds nothing now, and its giving back left the new copy alone
+    assert old.entries == [] and old.pinned_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+    if after == (0, 9):                 # streams from the taken-over segments as from its own
+        h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), tr, bandwidth=0, store=new)
+        try:
+            with torch.no_grad():
+                m(x, t)
+                assert torch.equal(m(x, t), ref)
+        finally:
+            h.remove()
+    new.restore(tr)
+    assert not pinned
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+@pytest.mark.parametrize("before,after,taken_blocks", [((3, 9), (0, 9), [(3, 4), (5, 6)]),
+                                                       ((1, 9), (4, 9), [(5, 6)])])
+def test_a_rebuild_takes_over_only_segments_whose_blocks_all_stream_again_laid_out_the_same(
+        monkeypatch, before, after, taken_blocks):
+    """Segments of two blocks: the new copy cuts where a taken-over segment starts and ends, and a segment holding
+    a block that no longer streams (or a weight replaced since, whose values are new) is copied, not taken."""
+    m = make_wan(mixed=False, n=9)
+    block = sum(tensor_nbytes(p) for p in m.blocks[0].parameters())
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 2 * block)
+    x, t = wan_inputs()
+    tr, pinned, calls = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    old = HostStore(blocks[slice(*before)], tr)
+    arena = old.arenas[torch.float32]
+    first: dict[int, int] = {}           # segment -> the first block it holds
+    for b in range(*before):
+        first.setdefault(id(arena.segments[arena.index(old.block_range[torch.float32][b - before[0]][0])]), b)
+    assert len(arena.segments) == len(range(*before)) // 2
+    # a weight replaced since the old copy was built (ComfyUI patched it): its segment holds stale values
+    with torch.no_grad():
+        m.blocks[7].q.weight = torch.nn.Parameter(m.blocks[7].q.weight.data + 1, requires_grad=False)
+        ref = m(x, t)
+    new = _rebuild(old, blocks[slice(*after)], tr)
+    bf = new.arenas[torch.float32]
+    taken = sorted(first[id(s)] for s in bf.tensors() if id(s) in first)
+    assert taken == [b for b, _ in taken_blocks]
+    starts = {lo: b + after[0] for b, (lo, _) in enumerate(new.block_range[torch.float32])}
+    for b, last in taken_blocks:      # the copy is cut exactly around each taken-over segment
+        i = bf.index(new.block_range[torch.float32][b - after[0]][0])
+        assert starts[bf.bounds[i]] == b and bf.bounds[i + 1] == (new.block_range[torch.float32][last + 1 - after[0]][0]
+                                                                 if last + 1 < 9 else bf.numel())
+    assert set(pinned) == {s.data_ptr() for s in bf.tensors()}
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+    new.restore(tr)
+    assert not pinned
+
+
+def test_a_rebuild_that_does_not_pin_unpins_the_segments_it_takes_over(one_block_per_segment, monkeypatch):
+    m = make_wan(mixed=False, n=6)
+    tr, pinned, _ = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    old = HostStore(blocks[2:], tr)
+    assert len(pinned) == 4
+    old.restore(tr, keep=[b for _, b in blocks])
+    new = HostStore(blocks, tr, adopt=old, decide_pin=lambda nbytes, allocated: (False, "RAM rule: no"))
+    old.restore(tr)
+    assert new.adopted_bytes > 0 and not pinned and new.pinned_bytes == 0
+    assert new.pin_results[torch.float32] == PinResult(False, "RAM rule: no")
+    new.restore(tr)

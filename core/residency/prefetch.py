@@ -271,7 +271,7 @@ class HostStore:
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
                  exclude: frozenset[int] = frozenset(), packed: bool = False, unpinned_reason: str = "",
-                 decide_pin: PinDecider | None = None):
+                 decide_pin: PinDecider | None = None, adopt: "HostStore | None" = None):
         """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
         them); they are neither streamed nor counted in this engine's budget. ``packed``: also keep
         the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead.
@@ -281,7 +281,12 @@ class HostStore:
         be page-locked, it returns (pin, why). A plain store asks before its arenas exist (they take the place of
         the weights they copy, so the RAM it reads is what is left after). A packed store asks once its planes
         exist (``allocated=True``): they are new memory, smaller than the bf16 bytes, and the RAM read then is
-        what they left. Streaming a packed store as stored asks again for its bf16 arena (``pin_arenas``)."""
+        what they left. Streaming a packed store as stored asks again for its bf16 arena (``pin_arenas``).
+
+        ``adopt``: the store these blocks' copy was built in before (a rebuild for another layout, after its
+        ``restore(keep=...)``). Each of its segments whose weights are all streamed here again, laid out the same, is
+        taken over as it is (no copy, no pin when it was pinned; ``adopted_bytes``); its other segments are copied
+        from as usual. The old store then holds only what was not taken over; restore it next."""
         self._decide_pin = decide_pin
         self._unpinned_reason = unpinned_reason or "pinning disabled"
         self._pin = pin
@@ -319,6 +324,9 @@ class HostStore:
                              for x in ([t] if _is_plain(t) or subclass.is_storage(t)
                                        else [x for _, x in subclass.leaves(t) or []]))
         self._collect(blocks)
+        self._adopt = self._adoptable(adopt)
+        self._adopted: list[torch.Tensor] = []
+        self._old = adopt
         deferred = decide_pin is not None and packed and any(d in PACKABLE and n for d, n in self._sizes.items())
         if decide_pin is not None and not deferred:
             self._decide(sum(n * d.itemsize for d, n in self._sizes.items()), allocated=False)
@@ -329,6 +337,10 @@ class HostStore:
             self._decide(sum(pk.nbytes for pk in self._planes.values())
                          + sum(a.nbytes for d, a in self.arenas.items() if d not in PACKABLE), allocated=True)
             self._pin_after_packing(transport)
+        if adopt is not None:
+            adopt._give_up(self._adopted)
+        self._old = None
+        self.adopted_bytes = sum(tensor_nbytes(t) for t in self._adopted)
 
     # layout ------------------------------------------------------------------------------
     def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
@@ -417,11 +429,76 @@ class HostStore:
     def _bounds(self, dtype: torch.dtype, n: int) -> list[int]:
         """Where ``dtype``'s segments start (block boundaries, about ``SEGMENT_BYTES`` apart), then ``n``."""
         bounds = [0]
+        runs = self._adopt.get(dtype, {})        # segments taken over: cut where each starts and ends, not inside
         if not (self._pack_wanted and dtype in PACKABLE):     # packing works on the whole arena
             for lo, _ in self.block_range[dtype][1:]:
-                if bounds[-1] < lo < n and (lo - bounds[-1]) * dtype.itemsize >= SEGMENT_BYTES:
+                if not bounds[-1] < lo < n:
+                    continue
+                if bounds[-1] in runs:
+                    if lo == runs[bounds[-1]][0]:
+                        bounds.append(lo)
+                elif lo in runs or (lo - bounds[-1]) * dtype.itemsize >= SEGMENT_BYTES:
                     bounds.append(lo)
         return bounds + [n]
+
+    def _adoptable(self, old: "HostStore | None") -> dict[torch.dtype, dict[int, tuple[int, torch.Tensor]]]:
+        """Per dtype, ``{start: (end, segment)}``: the segments of ``old`` this copy can hold as they are. A segment
+        qualifies when the weights in it are exactly the weights of consecutive blocks here (every one of them
+        still bound to it), at the offsets this layout gives them, and it is as long as their range here."""
+        found: dict[torch.dtype, dict[int, tuple[int, torch.Tensor]]] = {}
+        if old is None or old.inference != self.inference:
+            return found
+        for dtype, arena in old.arenas.items():
+            if dtype not in self._sizes or (self._pack_wanted and dtype in PACKABLE) or dtype in old._planes:
+                continue
+            segs = [(s.data_ptr(), s.data_ptr() + tensor_nbytes(s), s) for s in arena.tensors() if s.numel()]
+            segs.sort(key=lambda x: x[0])
+            starts = [p0 for p0, _, _ in segs]
+            held = {}                                         # segment -> how many of old's weights it holds
+            for e in old.entries:
+                if e.dtype == dtype and e.host_view is not None:
+                    seg = arena.segments[arena.index(e.offset)]
+                    if seg is not None:
+                        held[id(seg)] = held.get(id(seg), 0) + 1
+
+            def where(e: _Entry) -> tuple[int, int] | None:
+                t = e.refs[0].get()
+                v = subclass.plain(t.data) if t is not None else None
+                if (v is None or v.device.type != "cpu" or v.dtype != dtype or tuple(v.shape) != e.shape
+                        or tuple(v.stride()) != e.stride):
+                    return None
+                k = bisect.bisect_right(starts, v.data_ptr()) - 1
+                return (k, v.data_ptr() - segs[k][0]) if k >= 0 and v.data_ptr() < segs[k][1] else None
+
+            size = dtype.itemsize
+            ranges = self.block_range[dtype]
+            blocks: dict[int, list[tuple[int, int]]] = {}     # old segment -> (block here, its byte offset there)
+            broken: set[int] = set()
+            for b, es in enumerate(self.by_block):
+                es = [e for e in es if e.dtype == dtype]
+                if not es:
+                    continue
+                at = [where(e) for e in es]
+                ks = {a[0] for a in at if a is not None}
+                bases = {rel - (e.offset - ranges[b][0]) * size for e, a in zip(es, at) if a is not None
+                         for rel in (a[1],)}
+                if None in at or len(ks) != 1 or len(bases) != 1:
+                    broken |= ks
+                    continue
+                blocks.setdefault(ks.pop(), []).append((b, bases.pop()))
+            for k, bs in blocks.items():
+                seg = segs[k][2]
+                first, last = bs[0][0], bs[-1][0]
+                start = ranges[first][0]
+                end = ranges[last + 1][0] if last + 1 < len(ranges) else self._sizes[dtype]
+                mine = {b for b, _ in bs}
+                if (k in broken or end - start != seg.numel()
+                        or any(base != (ranges[b][0] - start) * size for b, base in bs)
+                        or any(ranges[b][0] != ranges[b][1] for b in range(first, last + 1) if b not in mine)
+                        or held.get(id(seg)) != sum(1 for b in mine for e in self.by_block[b] if e.dtype == dtype)):
+                    continue
+                found.setdefault(dtype, {})[start] = (end, seg)
+        return found
 
     def _allocate_and_stage(self, transport: Transport, pin: bool) -> None:
         """Allocate the segments in block order, each just before its first block is staged, and bind each block's
@@ -440,7 +517,9 @@ class HostStore:
                 d2h = False
                 for e in block:
                     t = e.refs[0].get()
-                    d2h |= self._stage(e, subclass.plain(t.data), transport)
+                    arena = self.arenas[e.dtype]
+                    if not any(arena.segments[arena.index(e.offset)] is a for a in self._adopted):
+                        d2h |= self._stage(e, subclass.plain(t.data), transport)     # taken over: already there
                     e.tensor = t
                 if d2h:
                     transport.synchronize()   # one-time: staged device weights must land before we drop them
@@ -458,12 +537,50 @@ class HostStore:
 
     def _new_segment(self, transport: Transport, arena: _Arena, i: int, pin: bool,
                      failed: dict[torch.dtype, PinResult]) -> None:
+        end, seg = self._adopt.get(arena.dtype, {}).get(arena.bounds[i], (None, None))
+        if seg is not None and end == arena.bounds[i + 1]:
+            self._take_over(transport, arena, i, seg, pin, failed)
+            return
         seg = torch.empty(arena.bounds[i + 1] - arena.bounds[i], dtype=arena.dtype, device="cpu")
         arena.segments[i] = seg
         if pin and not (self._pack_wanted and arena.dtype in PACKABLE) and seg.numel():
             bad = _pin_each(transport, [seg], self._pinned_arenas)
             if bad is not None:
                 failed.setdefault(arena.dtype, bad)
+
+    def _take_over(self, transport: Transport, arena: _Arena, i: int, seg: torch.Tensor, pin: bool,
+                   failed: dict[torch.dtype, PinResult]) -> None:
+        """Hold the old store's ``seg`` as segment ``i``, its weights where they are: pinned as decided (kept pinned
+        when it was, without registering it again)."""
+        arena.segments[i] = seg
+        self._adopted.append(seg)
+        was = self._old._pinned_arenas
+        pinned = any(p is seg for p in was)
+        if pinned:
+            was[:] = [p for p in was if p is not seg]        # its unpinning is this store's now
+            if pin:
+                self._pinned_arenas.append(seg)
+            else:
+                transport.unpin(seg)
+        elif pin and seg.numel():
+            bad = _pin_each(transport, [seg], self._pinned_arenas)
+            if bad is not None:
+                failed.setdefault(arena.dtype, bad)
+
+    def _give_up(self, segments: Sequence[torch.Tensor]) -> None:
+        """Forget ``segments`` and the weights in them: a store built next holds them now (``adopt``)."""
+        ids = {id(t) for t in segments}
+        if not ids:
+            return
+        for arena in self.arenas.values():
+            arena.segments = [None if s is not None and id(s) in ids else s for s in arena.segments]
+        gone = [e for e in self.entries
+                if e.dtype in self.arenas and self.arenas[e.dtype].segments[self.arenas[e.dtype].index(e.offset)] is None]
+        for e in gone:
+            e.host_view = e.tensor = None
+        ids = {id(e) for e in gone}
+        self.entries = [e for e in self.entries if id(e) not in ids]
+        self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
 
     def _decide(self, nbytes: int, allocated: bool) -> None:
         self._pin, why = self._decide_pin(nbytes, allocated)
@@ -630,26 +747,40 @@ class HostStore:
         self.restaged += len(changed)
         return len(changed)
 
-    def restore(self, transport: Transport) -> None:
+    def restore(self, transport: Transport, keep: Sequence[nn.Module] = ()) -> None:
         """Give every streamed tensor its own storage again (on its original device, same strides,
         same values) and unpin the arenas. The store is unusable afterwards. Each segment is unpinned and let go
-        as soon as its tensors are restored: RAM holds the streamed bytes once plus one segment, not twice."""
+        as soon as its tensors are restored: RAM holds the streamed bytes once plus one segment, not twice.
+
+        ``keep``: blocks a store built next streams too (a rebuild for another layout). Their tensors stay where
+        they are, with every segment holding one of them, for that store to take over or copy from (``adopt``);
+        the rest goes now, before that store decides on pinning. Restore again (without ``keep``) once it is
+        built."""
         for w in self.wrapped:
             w.host = None      # the engine's handle on a wrapper around host copies would keep their segments
+        kept_ids = {id(m) for m in keep}
+        kept = [e for e in self.entries if id(self.modules[e.block]) in kept_ids]
         with torch.no_grad(), torch.inference_mode(self.inference):
             for dtype, arena in self.arenas.items():
                 by_segment: dict[int, list[_Entry]] = {}
                 for e in self.entries:
                     if e.dtype == dtype:
                         by_segment.setdefault(arena.index(e.offset), []).append(e)
+                staying = {arena.index(e.offset) for e in kept if e.dtype == dtype}
                 for i, seg in enumerate(arena.segments):
                     for e in by_segment.get(i, ()):
-                        self._restore_entry(e, transport)
-                    if seg is not None:
+                        if id(self.modules[e.block]) not in kept_ids:
+                            self._restore_entry(e, transport)
+                    if seg is not None and i not in staying:
                         _unpin_one(transport, seg, self._pinned_arenas)
                         arena.segments[i] = None
                     del seg
         transport.synchronize()  # one-time: restored copies must land before the packed planes go
+        if kept_ids:
+            ids = {id(e) for e in kept}
+            self.entries = kept
+            self.by_block = [[e for e in es if id(e) in ids] for es in self.by_block]
+            return
         self.unpin(transport)
         self.arenas.clear()
         self._planes.clear()

@@ -1021,6 +1021,7 @@ def test_a_run_at_another_size_keeps_the_host_copy_while_its_layout_fits(comfy_e
     st, rebuilt = run(b3)                                # saves more than that: rebuilt for the new layout
     assert rebuilt is not store and st.last_stats["streamed_bytes_per_forward"] == s3
     assert st.last_stats["host_copy_kept_extra_bytes"] is None and "host copy kept" not in st.last_report
+    assert st.last_stats["host_copy_adopted_bytes"] is not None and "host copy rebuilt" in st.last_report
     st, again = run(b1)                                  # the layout built for b3 no longer fits b1: rebuilt
     assert again is not rebuilt and st.last_stats["streamed_bytes_per_forward"] == s1
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)
@@ -1191,6 +1192,43 @@ def test_the_tails_comfyui_loads_are_the_parameters_it_loaded(comfy_env, tiny_wa
     assert seen["tails_now"] and seen["tails_in_store"] == 0 and seen["excluded"] > 0, seen
     stats = st.last_stats
     assert stats["last_forward"]["h2d_bytes"] == stats["streamed_bytes_per_forward"], st.last_report
+
+
+def test_a_rebuild_for_more_streamed_blocks_takes_over_the_old_copy_in_place(comfy_env, tiny_wan):
+    """Found in the known limits: a rebuild gave the whole host copy back and copied and pinned it again. Streaming
+    more whole blocks than the copy was built for takes over its segments as they are (the blocks it streamed are
+    laid out the same): not copied, not pinned again, and the report says so; going back takes that part over
+    again. Every run bit-identical to the unstreamed model."""
+    from comfyui_levers.bridge import prefetch as bp
+
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+
+    def run(resident):
+        comfy_env.mm.unload_all_models()
+        clone, _, st = _prefetch(comfy_env, model, resident_groups=resident)
+        assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+        return st, bp._STORES[dm][1]
+
+    st, old = run(1)
+    assert st.last_stats["host_copy_adopted_bytes"] is None and "host copy rebuilt" not in st.last_report
+    segments = {s.data_ptr(): s.numel() * s.element_size() for a in old.arenas.values() for s in a.tensors()}
+    del old
+    st, new = run(0)                                     # every block streams now
+    held = {s.data_ptr() for a in new.arenas.values() for s in a.tensors()}
+    assert set(segments) < held
+    assert st.last_stats["host_copy_adopted_bytes"] == sum(segments.values()) > 0
+    assert "host copy rebuilt for this layout" in st.last_report and "taken over" in st.last_report, st.last_report
+    del new
+    # fewer again: the copy of blocks 1-3 was kept a segment of its own (cut where it was taken over), so it is
+    # taken over again, and block 0's segment goes
+    st, back = run(1)
+    assert {s.data_ptr() for a in back.arenas.values() for s in a.tensors()} == set(segments)
+    assert st.last_stats["host_copy_adopted_bytes"] == sum(segments.values())
+    assert "0.0 MiB copied" in st.last_report, st.last_report
+    comfy_env.mm.unload_all_models()
+    assert torch.equal(tiny_wan.sample(model)["samples"], ref)
 
 
 def test_a_rebuilt_host_copy_leaves_no_weight_on_the_old_one(comfy_env, tiny_wan):
