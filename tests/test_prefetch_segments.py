@@ -296,6 +296,7 @@ def _pin_counting(monkeypatch):
 
     def unpin(t):
         calls["unpin"] += 1
+        calls.setdefault("unpinned", []).append(t.data_ptr())
         pinned.pop(t.data_ptr())
     monkeypatch.setattr(tr, "pin", pin)
     monkeypatch.setattr(tr, "unpin", unpin)
@@ -416,3 +417,34 @@ def test_a_rebuild_that_does_not_pin_unpins_the_segments_it_takes_over(one_block
     assert new.adopted_bytes > 0 and not pinned and new.pinned_bytes == 0
     assert new.pin_results[torch.float32] == PinResult(False, "RAM rule: no")
     new.restore(tr)
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_a_packed_rebuild_keeps_taken_over_segments_pinned_until_its_late_decision(one_block_per_segment, monkeypatch,
+                                                                                     allow):
+    """A packed store decides on pinning once its planes exist; the segments of dtypes it does not pack that it
+    took over pinned stay pinned until then (no unpin and pin again), and are unpinned if the decision is no."""
+    m = make_wan(mixed=True, n=6)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr, pinned, calls = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    old = HostStore(blocks[2:], tr, packed=True)
+    fp32 = {id(s) for s in old.arenas[torch.float32].tensors()}
+    assert fp32 and all(s.data_ptr() in pinned for s in old.arenas[torch.float32].tensors())
+    old.restore(tr, keep=[b for _, b in blocks])
+    before = {k: list(v) if isinstance(v, list) else v for k, v in calls.items()}
+    new = HostStore(blocks, tr, packed=True, adopt=old,
+                    decide_pin=lambda nbytes, allocated: (allow, "yes" if allow else "RAM rule: no"))
+    old.restore(tr)
+    taken = [s for s in new.arenas[torch.float32].tensors() if id(s) in fp32]
+    assert len(taken) == len(fp32) and new.adopted_bytes == sum(tensor_nbytes(s) for s in taken)
+    assert all((s.data_ptr() in pinned) is allow for s in new.arenas[torch.float32].tensors())
+    # a taken-over segment is unpinned only when the decision is no, and never pinned again
+    unpinned = calls.get("unpinned", [])[len(before.get("unpinned", [])):]
+    assert sum(unpinned.count(s.data_ptr()) for s in taken) == (0 if allow else len(taken))
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+    new.restore(tr)
+    assert not pinned

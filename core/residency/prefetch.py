@@ -328,6 +328,7 @@ class HostStore:
         self._adopted: list[torch.Tensor] = []
         self._old = adopt
         deferred = decide_pin is not None and packed and any(d in PACKABLE and n for d, n in self._sizes.items())
+        self._deferred = deferred        # the pin decision comes once the packed planes exist
         if decide_pin is not None and not deferred:
             self._decide(sum(n * d.itemsize for d, n in self._sizes.items()), allocated=False)
         self._allocate_and_stage(transport, self._pin and not deferred)
@@ -558,7 +559,7 @@ class HostStore:
         pinned = any(p is seg for p in was)
         if pinned:
             was[:] = [p for p in was if p is not seg]        # its unpinning is this store's now
-            if pin:
+            if pin or self._deferred:                        # deferred: unpinned later if the decision says so
                 self._pinned_arenas.append(seg)
             else:
                 transport.unpin(seg)
@@ -592,6 +593,9 @@ class HostStore:
             if dtype in self._planes:
                 self.pin_results[dtype] = self._pin_planes(self._planes[dtype], transport, self._pin)
             elif dtype not in PACKABLE:
+                if not self._pin:              # segments taken over pinned from the last copy
+                    for seg in arena.tensors():
+                        _unpin_one(transport, seg, self._pinned_arenas)
                 self.pin_results[dtype] = self._pin_segments(transport, arena) if self._pin \
                     else PinResult(False, self._unpinned_reason)
 
