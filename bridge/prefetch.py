@@ -329,7 +329,7 @@ class _Session:
                 self.too_small = (need, self.budget)
         # bytes per forward the kept host copy's layout streams beyond this run's least (None: not kept)
         self.kept_extra: int | None = None
-        # a host copy rebuilt for another layout: (bytes taken over from the old copy as they were, the copy's bytes)
+        # a host copy rebuilt for another layout: (bytes taken over from the old copy as they were, its arenas' bytes)
         self.rebuilt: tuple[int, int] | None = None
         if self.too_small is None:
             self._keep_built(other, cfg, n_dtypes, block_tensors, split_ok, depth)
@@ -656,7 +656,7 @@ class _Session:
                           decide_pin=self._pin_decider(transport, tails), adopt=old)
         if old is not None:
             old.restore(transport)
-            self.rebuilt = (store.adopted_bytes, store.host_bytes)
+            self.rebuilt = (store.adopted_bytes, sum(a.nbytes for a in store.arenas.values()))
         _STORES[self.root] = (ids, store)
         return store
 
@@ -764,7 +764,8 @@ class _Session:
         if self.rebuilt is not None:
             taken, total = self.rebuilt
             head += (f"\nhost copy rebuilt for this layout: {_gb(taken)} of its {_gb(total)} taken over where the "
-                     f"last copy held it (not copied or pinned again), {_gb(total - taken)} copied."
+                     f"last copy held it (not copied again; kept page-locked where it was and still is to be), "
+                     f"{_gb(total - taken)} copied."
                      if taken else
                      f"\nhost copy rebuilt for this layout: {_gb(total)} copied (no segment of the last copy held "
                      f"the same blocks laid out the same).")

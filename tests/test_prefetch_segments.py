@@ -448,3 +448,96 @@ def test_a_packed_rebuild_keeps_taken_over_segments_pinned_until_its_late_decisi
         assert torch.equal(m(x, t), ref)
     new.restore(tr)
     assert not pinned
+
+
+def test_a_rebuild_lets_go_of_what_the_old_copy_held_as_it_goes(one_block_per_segment):
+    """Found in review: the segments a store had taken over stayed referenced by it after every restore, and a
+    rebuild that takes nothing over (a split layout whose tails changed) held the whole old copy until the new one
+    was complete: twice the streamed bytes. The old copy of each block now goes as soon as the new copy bound it,
+    and a tensor of it the new copy leaves out gets its own storage first."""
+    import gc
+    import weakref
+
+    m = make_wan(mixed=False, n=8)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr, pinned, _ = _pin_counting(monkeypatch=pytest.MonkeyPatch())
+    blocks = _blocks(m)
+    params = [p for b in m.blocks for p in [*b.parameters(), *b.buffers()]]
+    streamed = sum(tensor_nbytes(p) for p in params)
+    widest = max(sum(tensor_nbytes(p) for p in b.parameters()) for b in m.blocks)
+    tails = frozenset(id(p) for b in m.blocks for p in b.ffn[2].parameters())
+    old = HostStore(blocks, tr, exclude=tails)                  # a split layout: ComfyUI loads ffn.2 itself
+    stores = [old]
+    seen = []
+    new_segment = HostStore._new_segment
+
+    def spy(self, *a, **k):
+        new_segment(self, *a, **k)
+        gc.collect()
+        ranges = [r for st in stores + [self] for ar in st.arenas.values() for r in ar.ranges()]
+        own = sum(tensor_nbytes(p) for p in params if not any(lo <= p.data_ptr() < hi for lo, hi in ranges))
+        seen.append(sum(tensor_nbytes(s) for st in stores + [self] for ar in st.arenas.values()
+                        for s in ar.tensors()) + own)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HostStore, "_new_segment", spy)
+        new = _rebuild(old, blocks, tr)                          # whole blocks now: no old segment matches
+    assert new.adopted_bytes == 0 and old.entries == []
+    assert max(seen) <= streamed + widest + 64 * len(params), (seen, streamed, widest)
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+    # a chain of rebuilds: segments a store took over go once the next copy no longer streams their blocks
+    new.restore(tr)
+    a = HostStore(blocks[3:], tr)
+    b = _rebuild(a, blocks, tr)                                 # takes over blocks 3-7
+    assert b.adopted_bytes > 0
+    arena = b.arenas[torch.float32]
+    first = [weakref.ref(arena.segments[arena.index(lo)]) for lo, _ in b.block_range[torch.float32][:5]]
+    kept = {id(arena.segments[arena.index(lo)]) for lo, _ in b.block_range[torch.float32][5:]}
+    del arena
+    c = _rebuild(b, blocks[5:], tr)
+    gc.collect()
+    assert all(r() is None for r in first), "segments of blocks no longer streamed outlive the rebuild"
+    assert {id(s) for a in c.arenas.values() for s in a.tensors()} == kept
+    c.restore(tr)
+    assert not pinned
+    with torch.no_grad():
+        assert torch.equal(m(x, t), ref)
+
+
+@pytest.mark.parametrize("old_packed", [True, False])
+def test_a_rebuilds_pin_decision_sees_only_what_stays_pinned(one_block_per_segment, monkeypatch, old_packed):
+    """Found in review: at a rebuild's pin decision the old copy's packed planes, and segments it could not hand
+    over, were still page-locked, so the RAM rule counted them as held; a packed rebuild also counted the segments
+    it took over pinned twice (held, and among the bytes to pin). Now the planes go with the blocks no longer
+    streamed, a segment that held such a block is unpinned (it can only be copied from), the rest goes during
+    the build, and the bytes asked about are those still to pin."""
+    m = make_wan(mixed=True, n=8)
+    tr, pinned, _ = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 2 * sum(tensor_nbytes(p) for p in m.blocks[0].parameters()))
+    old = HostStore(blocks[1:], tr, packed=old_packed, decide_pin=lambda n, a: (True, "yes"))
+    planes = {t.data_ptr() for pk in old._planes.values() for t in pk.planes() if t.numel()}
+    assert not old_packed or planes <= set(pinned)
+    old.restore(tr, keep=[b for _, b in blocks[3:]])
+    asked = []
+
+    def decide(nbytes, allocated):
+        asked.append((dict(pinned), nbytes, allocated))
+        return True, "yes"
+    new = HostStore(blocks[3:], tr, packed=not old_packed, adopt=old, decide_pin=decide)
+    old.restore(tr)
+    (before, nbytes, allocated), = asked
+    assert not planes & set(before)                          # the old planes were let go first
+    if old_packed:
+        # asked before allocating: what is pinned then is the old segments it may take over, counted as replaced
+        assert not allocated and set(before) <= {s.data_ptr() for a in new.arenas.values() for s in a.tensors()}
+    else:
+        # asked once the planes exist: the segments taken over are pinned already, and not asked about again
+        taken = new.adopted_bytes
+        assert allocated and taken > 0 and sum(before.values()) == taken
+        assert nbytes == sum(pk.nbytes for pk in new._planes.values()) + new.arenas[torch.float32].nbytes - taken
+    assert sum(pinned.values()) == new.pinned_bytes
+    new.restore(tr)
+    assert not pinned

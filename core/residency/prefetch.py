@@ -324,24 +324,28 @@ class HostStore:
                              for x in ([t] if _is_plain(t) or subclass.is_storage(t)
                                        else [x for _, x in subclass.leaves(t) or []]))
         self._collect(blocks)
+        # a rebuild: the old store's segments this copy takes over, and those taken so far (ids; during the build)
         self._adopt = self._adoptable(adopt)
-        self._adopted: list[torch.Tensor] = []
+        self._adopted: set[int] = set()
+        self.adopted_bytes = 0
         self._old = adopt
         deferred = decide_pin is not None and packed and any(d in PACKABLE and n for d, n in self._sizes.items())
         self._deferred = deferred        # the pin decision comes once the packed planes exist
         if decide_pin is not None and not deferred:
             self._decide(sum(n * d.itemsize for d, n in self._sizes.items()), allocated=False)
-        self._allocate_and_stage(transport, self._pin and not deferred)
+        try:
+            self._allocate_and_stage(transport, self._pin and not deferred)
+        finally:
+            self._old, self._adopt = None, {}
         if packed:
             self.pack_arenas(transport, self._pin and not deferred)
         if deferred:
+            # segments taken over still pinned are pinned already (and counted among what Levers holds)
             self._decide(sum(pk.nbytes for pk in self._planes.values())
-                         + sum(a.nbytes for d, a in self.arenas.items() if d not in PACKABLE), allocated=True)
+                         + sum(a.nbytes for d, a in self.arenas.items() if d not in PACKABLE)
+                         - sum(tensor_nbytes(t) for t in self._pinned_arenas), allocated=True)
             self._pin_after_packing(transport)
-        if adopt is not None:
-            adopt._give_up(self._adopted)
-        self._old = None
-        self.adopted_bytes = sum(tensor_nbytes(t) for t in self._adopted)
+        self._adopted = set()
 
     # layout ------------------------------------------------------------------------------
     def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
@@ -508,7 +512,7 @@ class HostStore:
             self.arenas[dtype] = _Arena(dtype, self._bounds(dtype, n))
         failed: dict[torch.dtype, PinResult] = {}
         with torch.no_grad(), torch.inference_mode(self.inference):
-            for block in self.by_block:
+            for b, block in enumerate(self.by_block):
                 for e in block:
                     arena = self.arenas[e.dtype]
                     for i in range(arena.index(e.offset) + 1):
@@ -519,13 +523,15 @@ class HostStore:
                 for e in block:
                     t = e.refs[0].get()
                     arena = self.arenas[e.dtype]
-                    if not any(arena.segments[arena.index(e.offset)] is a for a in self._adopted):
+                    if id(arena.segments[arena.index(e.offset)]) not in self._adopted:
                         d2h |= self._stage(e, subclass.plain(t.data), transport)     # taken over: already there
                     e.tensor = t
                 if d2h:
                     transport.synchronize()   # one-time: staged device weights must land before we drop them
                 for e in block:
                     self._bind_host(e)
+                if self._old is not None:     # a rebuild: the old copy of this block goes now, segment by segment
+                    self._old._release_module(transport, self.modules[b])
             for arena in self.arenas.values():      # segments no entry reached (alignment padding only)
                 for i, seg in enumerate(arena.segments):
                     if seg is None:
@@ -554,7 +560,9 @@ class HostStore:
         """Hold the old store's ``seg`` as segment ``i``, its weights where they are: pinned as decided (kept pinned
         when it was, without registering it again)."""
         arena.segments[i] = seg
-        self._adopted.append(seg)
+        self._adopted.add(id(seg))
+        self.adopted_bytes += tensor_nbytes(seg)
+        self._old._give_up([seg])
         was = self._old._pinned_arenas
         pinned = any(p is seg for p in was)
         if pinned:
@@ -582,6 +590,29 @@ class HostStore:
         ids = {id(e) for e in gone}
         self.entries = [e for e in self.entries if id(e) not in ids]
         self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
+
+    def _release_module(self, transport: Transport, module: nn.Module) -> None:
+        """A store built next bound ``module``'s weights to its own copy: what this store still holds of it goes. A
+        tensor of it still bound here (one the new copy leaves out: a tail ComfyUI loads) gets its own storage
+        first, and each segment left holding nothing is unpinned and let go, so a rebuild holds the streamed bytes
+        once plus about a segment, whatever it takes over."""
+        mine = [e for e in self.entries if self.modules[e.block] is module]
+        if not mine:
+            return
+        touched = {(e.dtype, self.arenas[e.dtype].index(e.offset)) for e in mine}
+        with torch.no_grad(), torch.inference_mode(self.inference):
+            for e in mine:
+                self._restore_entry(e, transport)     # nothing to do for a weight the new copy bound
+        ids = {id(e) for e in mine}
+        self.entries = [e for e in self.entries if id(e) not in ids]
+        self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
+        left = {(e.dtype, self.arenas[e.dtype].index(e.offset)) for e in self.entries}
+        for dtype, i in touched - left:
+            seg = self.arenas[dtype].segments[i]
+            if seg is not None:
+                _unpin_one(transport, seg, self._pinned_arenas)
+                self.arenas[dtype].segments[i] = None
+            del seg
 
     def _decide(self, nbytes: int, allocated: bool) -> None:
         self._pin, why = self._decide_pin(nbytes, allocated)
@@ -758,8 +789,9 @@ class HostStore:
 
         ``keep``: blocks a store built next streams too (a rebuild for another layout). Their tensors stay where
         they are, with every segment holding one of them, for that store to take over or copy from (``adopt``);
-        the rest goes now, before that store decides on pinning. Restore again (without ``keep``) once it is
-        built."""
+        the rest goes now, before that store decides on pinning, and so do the packed planes. A segment that also
+        held a block not kept can only be copied from: it is unpinned. That store lets each segment go once it has
+        bound the blocks in it (``_release_module``); restore again (without ``keep``) for what it did not."""
         for w in self.wrapped:
             w.host = None      # the engine's handle on a wrapper around host copies would keep their segments
         kept_ids = {id(m) for m in keep}
@@ -772,18 +804,27 @@ class HostStore:
                         by_segment.setdefault(arena.index(e.offset), []).append(e)
                 staying = {arena.index(e.offset) for e in kept if e.dtype == dtype}
                 for i, seg in enumerate(arena.segments):
+                    mixed = False
                     for e in by_segment.get(i, ()):
                         if id(self.modules[e.block]) not in kept_ids:
                             self._restore_entry(e, transport)
-                    if seg is not None and i not in staying:
+                            mixed = True
+                    if seg is not None and (i not in staying or mixed):
+                        # gone, or only a source to copy from now: a segment that held a block no longer streamed
+                        # is never taken over whole, so it is not counted among what Levers holds page-locked
                         _unpin_one(transport, seg, self._pinned_arenas)
-                        arena.segments[i] = None
+                        if i not in staying:
+                            arena.segments[i] = None
                     del seg
         transport.synchronize()  # one-time: restored copies must land before the packed planes go
         if kept_ids:
             ids = {id(e) for e in kept}
             self.entries = kept
             self.by_block = [[e for e in es if id(e) in ids] for es in self.by_block]
+            # the packed planes only streamed: the next copy is built from the arenas
+            _unpin_all(transport, self._pinned_planes)
+            self._planes.clear()
+            self._fingerprints.clear()
             return
         self.unpin(transport)
         self.arenas.clear()
