@@ -315,6 +315,16 @@ def _segment_ids(store):
     return {id(s) for a in store.arenas.values() for s in a.tensors()}
 
 
+def _toy(monkeypatch, mixed: bool, n: int):
+    """A toy DiT, its output, a transport counting pins, and its blocks."""
+    m = make_wan(mixed=mixed, n=n)
+    x, t = wan_inputs()
+    with torch.no_grad():
+        ref = m(x, t)
+    tr, pinned, calls = _pin_counting(monkeypatch)
+    return m, (x, t), ref, tr, pinned, calls, _blocks(m)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("before,after", [((3, 9), (0, 9)),       # more blocks stream: the old ones stay in place
                                           ((1, 9), (4, 9))])      # fewer: the blocks no longer streamed go
@@ -323,12 +333,7 @@ def test_a_rebuild_takes_over_the_old_copys_segments_without_copying_or_pinning_
     """Found in the known limits: a rebuild for another layout gave back the whole host copy and copied and pinned
     all of it again (0.4 s/GiB to pin on the H200), though most blocks were streamed in both layouts. The
     segments of blocks streamed in both are taken over as they are now: not copied, not registered again."""
-    m = make_wan(mixed=mixed, n=9)
-    x, t = wan_inputs()
-    with torch.no_grad():
-        ref = m(x, t)
-    tr, pinned, calls = _pin_counting(monkeypatch)
-    blocks = _blocks(m)
+    m, (x, t), ref, tr, pinned, calls, blocks = _toy(monkeypatch, mixed, 9)
     old = HostStore(blocks[slice(*before)], tr)
     old._needs_pinning = True
     old_segments = {id(s): s for s in (s for a in old.arenas.values() for s in a.tensors())}
@@ -381,9 +386,10 @@ def test_a_rebuild_takes_over_only_segments_whose_blocks_all_stream_again_laid_o
     blocks = _blocks(m)
     old = HostStore(blocks[slice(*before)], tr)
     arena = old.arenas[torch.float32]
-    first: dict[int, int] = {}           # segment -> the first block it holds
-    for b in range(*before):
-        first.setdefault(id(arena.segments[arena.index(old.block_range[torch.float32][b - before[0]][0])]), b)
+    first: dict[int, tuple[torch.Tensor, int]] = {}      # segment -> (it, the first block it holds); held here, so
+    for b in range(*before):                              # that no new tensor can take a freed one's id
+        seg = arena.segments[arena.index(old.block_range[torch.float32][b - before[0]][0])]
+        first.setdefault(id(seg), (seg, b))
     assert len(arena.segments) == len(range(*before)) // 2
     # a weight replaced since the old copy was built (ComfyUI patched it): its segment holds stale values
     with torch.no_grad():
@@ -391,7 +397,7 @@ def test_a_rebuild_takes_over_only_segments_whose_blocks_all_stream_again_laid_o
         ref = m(x, t)
     new = _rebuild(old, blocks[slice(*after)], tr)
     bf = new.arenas[torch.float32]
-    taken = sorted(first[id(s)] for s in bf.tensors() if id(s) in first)
+    taken = sorted(first[id(s)][1] for s in bf.tensors() if id(s) in first)
     assert taken == [b for b, _ in taken_blocks]
     starts = {lo: b + after[0] for b, (lo, _) in enumerate(new.block_range[torch.float32])}
     for b, last in taken_blocks:      # the copy is cut exactly around each taken-over segment
@@ -424,14 +430,10 @@ def test_a_packed_rebuild_keeps_taken_over_segments_pinned_until_its_late_decisi
                                                                                      allow):
     """A packed store decides on pinning once its planes exist; the segments of dtypes it does not pack that it
     took over pinned stay pinned until then (no unpin and pin again), and are unpinned if the decision is no."""
-    m = make_wan(mixed=True, n=6)
-    x, t = wan_inputs()
-    with torch.no_grad():
-        ref = m(x, t)
-    tr, pinned, calls = _pin_counting(monkeypatch)
-    blocks = _blocks(m)
+    m, (x, t), ref, tr, pinned, calls, blocks = _toy(monkeypatch, True, 6)
     old = HostStore(blocks[2:], tr, packed=True)
-    fp32 = {id(s) for s in old.arenas[torch.float32].tensors()}
+    held = old.arenas[torch.float32].tensors()           # held here: no new tensor can take a freed one's id
+    fp32 = {id(s) for s in held}
     assert fp32 and all(s.data_ptr() in pinned for s in old.arenas[torch.float32].tensors())
     old.restore(tr, keep=[b for _, b in blocks])
     before = {k: list(v) if isinstance(v, list) else v for k, v in calls.items()}
@@ -450,7 +452,7 @@ def test_a_packed_rebuild_keeps_taken_over_segments_pinned_until_its_late_decisi
     assert not pinned
 
 
-def test_a_rebuild_lets_go_of_what_the_old_copy_held_as_it_goes(one_block_per_segment):
+def test_a_rebuild_lets_go_of_what_the_old_copy_held_as_it_goes(one_block_per_segment, monkeypatch):
     """Found in review: the segments a store had taken over stayed referenced by it after every restore, and a
     rebuild that takes nothing over (a split layout whose tails changed) held the whole old copy until the new one
     was complete: twice the streamed bytes. The old copy of each block now goes as soon as the new copy bound it,
@@ -458,12 +460,7 @@ def test_a_rebuild_lets_go_of_what_the_old_copy_held_as_it_goes(one_block_per_se
     import gc
     import weakref
 
-    m = make_wan(mixed=False, n=8)
-    x, t = wan_inputs()
-    with torch.no_grad():
-        ref = m(x, t)
-    tr, pinned, _ = _pin_counting(monkeypatch=pytest.MonkeyPatch())
-    blocks = _blocks(m)
+    m, (x, t), ref, tr, pinned, _, blocks = _toy(monkeypatch, False, 8)
     params = [p for b in m.blocks for p in [*b.parameters(), *b.buffers()]]
     streamed = sum(tensor_nbytes(p) for p in params)
     widest = max(sum(tensor_nbytes(p) for p in b.parameters()) for b in m.blocks)
@@ -480,7 +477,7 @@ def test_a_rebuild_lets_go_of_what_the_old_copy_held_as_it_goes(one_block_per_se
         own = sum(tensor_nbytes(p) for p in params if not any(lo <= p.data_ptr() < hi for lo, hi in ranges))
         seen.append(sum(tensor_nbytes(s) for st in stores + [self] for ar in st.arenas.values()
                         for s in ar.tensors()) + own)
-    with pytest.MonkeyPatch.context() as mp:
+    with monkeypatch.context() as mp:
         mp.setattr(HostStore, "_new_segment", spy)
         new = _rebuild(old, blocks, tr)                          # whole blocks now: no old segment matches
     assert new.adopted_bytes == 0 and old.entries == []
