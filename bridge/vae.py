@@ -25,6 +25,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -637,6 +638,31 @@ def channel_mismatch(error: BaseException, vae, samples: torch.Tensor) -> Config
                        _MISMATCH_HINT)
 
 
+def _user_tile_over_budget(plan: TilePlan, budget: int, settings: TiledDecodeSettings, rep: DecodeReport, s: int,
+                           plan_for: Callable[[int], TilePlan]) -> None:
+    """A ``tile_size`` set on the node whose tiles are predicted over the budget: with a ``memory_budget_gb`` set
+    too, an error naming both fixes (the budget it needs, the largest tile that fits); on the free memory, a
+    warning in the report (the user's tiles run: the prediction may be pessimistic)."""
+    fits = None
+    for k in range(min(plan.tile) - 1, 0, -1):
+        try:
+            if plan_for(k).predicted_peak_bytes <= budget:
+                fits = k
+                break
+        except ConfigError:            # the overlap no longer fits inside a tile this small
+            break
+    advice = (f"set tile_size to {fits * s} px or less" if fits else
+              "set tile_size to 0 (the node then plans the decode: layered, exact tiles or chunks)")
+    need = plan.predicted_peak_bytes
+    if settings.memory_budget_gb > 0:
+        raise BudgetExceeded(need, budget, "VAE decode (tile_size given)",
+                             f"Raise memory_budget_gb to at least {math.ceil(need / GIB * 1000) / 1000:.3f}, or "
+                             f"{advice}.")
+    rep.add(f"warning: tile_size {settings.tile_size} px is predicted to need {need / GIB:.3f} GiB, over the "
+            f"{budget / GIB:.3f} GiB budget (90% of the free memory); decoding with it as asked. To stay within the "
+            f"budget, {advice}.")
+
+
 def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling) -> tuple[torch.Tensor, str]:
     import comfy.model_management as mm
     import comfy.utils
@@ -732,7 +758,9 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             # Even Levers' smallest plan (its whole-image stem, or the smallest exact tile) needs more than the
             # free memory. Fail soft, as ComfyUI's VAEDecode does on OOM: ComfyUI's own tiled decode, whose tiles
             # run the whole decoder (no stem), sized from the measured cost per pixel; its seams are blended.
-            side = max(64, 2 * s, min(1024, int(math.sqrt(budget / max(1.0, cost.whole_bytes_per_px))) // 32 * 32))
+            # at least 4 latent px: ComfyUI's tiles overlap by a quarter, and a 32x VAE (LTX) cannot pad the 1-px
+            # edge tile that 2-px tiles leave on an odd latent
+            side = max(64, 4 * s, min(1024, int(math.sqrt(budget / max(1.0, cost.whole_bytes_per_px))) // 32 * 32))
             plan = TilePlan("comfy_tiled", 1, (side // s, side // s), max(1, side // 4 // s), None,
                             exc.needed_bytes, budget,
                             f"Levers' smallest exact plan does not fit the free memory ({exc}); ComfyUI's own tiled "
@@ -747,6 +775,14 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                             "stands aside: ComfyUI's own decode, which falls back to its tiled decode on "
                             "out-of-memory", exact=True)
             rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
+    if tile and plan.mode == "spatial" and plan.predicted_peak_bytes > budget:
+        _user_tile_over_budget(plan, budget, settings, rep, s,
+                               lambda k: plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px, tile=k,
+                                                     overlap=overlap_lat, chunk_frames=chunk_frames,
+                                                     out_frames=_out_frames(vae, samples.shape[2]) if video else None,
+                                                     auto_chunk_frames=staged.own_chunk_frames if own else 1,
+                                                     tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames
+                                                     else 0))
     if plan.mode == "spatial" and not tile and not video:
         default_norms, default_halo = len(staged.tail_norms), halo_px
         for alt, scale_label in deeper_stems(vae, staged):
@@ -864,4 +900,6 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     rep.add(f"decode time {elapsed:.2f} s")
     if images.ndim == 5:
         images = images.reshape(-1, *images.shape[-3:])
-    return images.to(vae.output_device), rep.text()
+    # VAEDecode's dtype (ComfyUI 0.33's --fp16-intermediates makes it float16); the tiled paths build float32
+    dtype = vae.vae_output_dtype() if callable(getattr(vae, "vae_output_dtype", None)) else images.dtype
+    return images.to(vae.output_device, dtype), rep.text()

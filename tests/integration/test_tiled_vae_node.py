@@ -206,6 +206,51 @@ def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode
     assert img.shape[1:3] == (192, 192), report
 
 
+def test_a_tile_size_over_the_budget_is_an_error_with_a_budget_set_and_a_warning_without(comfy_env, kl_vae,
+                                                                                         monkeypatch):
+    """Found in review: a tile_size set with a memory_budget_gb its tiles exceed was decoded anyway, silently (the
+    report even said "of budget 0.001 GiB"). With a budget set, it is an error naming the budget it needs and the
+    largest tile that fits (which then decodes within it); on the free memory, a warning, and the tiles asked for."""
+    from comfyui_levers.bridge import vae as bridge_vae
+    from comfyui_levers.core.errors import BudgetExceeded
+
+    latent = {"samples": smooth_latent((1, 16, 13, 21), 5)}
+    _, report = run_node(comfy_env, latent, kl_vae, tile_size=160)
+    peak = float(report.split("predicted peak=")[1].split(" ")[0])
+    budget = peak * 0.6
+    with pytest.raises(BudgetExceeded, match=r"Raise memory_budget_gb to at least .*or set tile_size to \d+ px or less"
+                       ) as e:
+        run_node(comfy_env, latent, kl_vae, tile_size=160, memory_budget_gb=budget)
+    fits = int(str(e.value).split("set tile_size to ")[1].split(" ")[0])
+    assert fits < 160
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    img, report = run_node(comfy_env, latent, kl_vae, tile_size=fits, memory_budget_gb=budget)
+    assert "mode=spatial" in report and img.shape == ref.shape, report
+    assert float(report.split("predicted peak=")[1].split(" ")[0]) <= budget
+    monkeypatch.setattr(bridge_vae, "budget_bytes",
+                        lambda vae, settings: (int(budget * 2 ** 30), "budget 90% of free memory (test)"))
+    img, report = run_node(comfy_env, latent, kl_vae, tile_size=160)
+    assert "warning: tile_size 160 px is predicted to need" in report and f"set tile_size to {fits} px" in report
+    assert "tile=104x160px" in report and img.shape == ref.shape, report      # the frame is 104 px high
+
+
+def test_the_output_has_vaedecodes_dtype_in_every_mode(comfy_env, kl_vae, monkeypatch):
+    """Found in review: with ComfyUI 0.33's --fp16-intermediates, VAEDecode returns float16, and so did the node's
+    whole decode, while its tiled modes returned float32."""
+    import comfy.model_management as mm
+    import comfy.sd
+
+    if not hasattr(comfy.sd.VAE, "vae_output_dtype"):
+        pytest.skip("this ComfyUI's VAE has no output dtype of its own (float32 everywhere)")
+    monkeypatch.setattr(mm, "intermediate_dtype", lambda: torch.float16)
+    latent = {"samples": smooth_latent((1, 16, 13, 21), 5)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    assert ref.dtype == torch.float16
+    for budget in (0.0, 0.006):             # whole, and tiled (or layered)
+        img, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=budget)
+        assert img.dtype == ref.dtype and img.shape == ref.shape, report
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     from tiny_models import tiny_wan_vae_state_dict, wan_vae_loader_reads_width
@@ -693,6 +738,22 @@ def test_ltx_named_error_for_a_latent_of_another_family(comfy_env, caplog):
         with pytest.raises(ConfigError, match=rf"samples.*{channels} channels.*128-channel latents.*connect the VAE"):
             run_node(comfy_env, {"samples": torch.randn(1, channels, 2, 4, 4)}, vae)
         assert not [r for r in caplog.records if "probing the split" in r.getMessage()]
+
+
+@pytest.mark.parametrize("hw", [(5, 7), (7, 9), (5, 13)])
+def test_ltx_fallback_to_comfyuis_tiled_decode_works_at_odd_latent_sizes(comfy_env, monkeypatch, hw):
+    """Found in review: when even Levers' smallest plan does not fit the free memory, the fallback ran ComfyUI's
+    VAEDecodeTiled with 64 px tiles, 2 latent px of LTX's 32x scale: its quarter overlap left a 1-px edge tile
+    the LTX decoder cannot pad (a bare RuntimeError from ComfyUI). Tiles are at least 4 latent px now."""
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    vae = _without_decode_noise(ltx_vae(False))
+    latent = {"samples": smooth_latent((2, 128, 2) + hw, 7)}
+    ref = comfy_env.nodes.VAEDecode().decode(vae, latent)[0]
+    monkeypatch.setattr(bridge_vae, "budget_bytes", lambda vae, settings: (100_000, "budget 90% of free memory (test)"))
+    img, report = run_node(comfy_env, latent, vae)
+    assert "fallback: ComfyUI's VAEDecodeTiled" in report and "tile=128x128px" in report, report
+    assert img.shape == ref.shape
 
 
 def test_ltx_sizes_below_its_32px_scale_round_the_safe_way(comfy_env):
