@@ -638,6 +638,13 @@ def channel_mismatch(error: BaseException, vae, samples: torch.Tensor) -> Config
                        _MISMATCH_HINT)
 
 
+def _fallback_side(s: int, budget: float, cost: DecodeCost) -> int:
+    """ComfyUI's VAEDecodeTiled tile side (output px) for a fallback, from the measured cost per pixel. At least 4
+    latent px: its tiles overlap by a quarter, and a 32x VAE (LTX) cannot pad the 1-px edge tile that 2-px tiles
+    leave on an odd latent."""
+    return max(64, 4 * s, min(1024, int(math.sqrt(budget / max(1.0, cost.whole_bytes_per_px))) // 32 * 32))
+
+
 def _user_tile_over_budget(plan: TilePlan, budget: int, settings: TiledDecodeSettings, rep: DecodeReport, s: int,
                            plan_for: Callable[[int], TilePlan]) -> None:
     """A ``tile_size`` set on the node whose tiles are predicted over the budget: with a ``memory_budget_gb`` set
@@ -758,9 +765,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             # Even Levers' smallest plan (its whole-image stem, or the smallest exact tile) needs more than the
             # free memory. Fail soft, as ComfyUI's VAEDecode does on OOM: ComfyUI's own tiled decode, whose tiles
             # run the whole decoder (no stem), sized from the measured cost per pixel; its seams are blended.
-            # at least 4 latent px: ComfyUI's tiles overlap by a quarter, and a 32x VAE (LTX) cannot pad the 1-px
-            # edge tile that 2-px tiles leave on an odd latent
-            side = max(64, 4 * s, min(1024, int(math.sqrt(budget / max(1.0, cost.whole_bytes_per_px))) // 32 * 32))
+            side = _fallback_side(s, budget, cost)
             plan = TilePlan("comfy_tiled", 1, (side // s, side // s), max(1, side // 4 // s), None,
                             exc.needed_bytes, budget,
                             f"Levers' smallest exact plan does not fit the free memory ({exc}); ComfyUI's own tiled "
@@ -823,6 +828,10 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     if video and settings.temporal_overlap:
         rep.add("temporal_overlap ignored: chunks " + ("stream each unit's context frames" if units else
                                                        "carry the causal cache") + ", so they need no overlap")
+    if plan.mode in ("whole", "layered", "temporal") and (overlap or settings.stats != "tiles"):
+        unused = " and ".join(x for x, on in ((f"overlap {overlap} px", bool(overlap)),
+                                              (f"groupnorm_stats={settings.stats}", settings.stats != "tiles")) if on)
+        rep.add(f"{unused} not used: they apply to spatial tiles, and this decode ({plan.mode}) has none")
 
     latent = samples.to(torch.device(vae.device), vae.vae_dtype)
     dev = torch.device(vae.device)
@@ -870,9 +879,30 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         with torch.inference_mode():   # newer process_output works in place on our inference-mode output
             return vae.process_output(out).movedim(1, -1)
 
-    images, peak = measure_peak_bytes(run, dev) if dev.type == "cuda" else (run(), None)
+    fell_back: list[str] = []
+
+    def attempt():
+        """``run``; out of memory in Levers' own modes (a prediction too low for this GPU), ComfyUI's VAEDecodeTiled
+        instead, as VAEDecode falls back on OOM. ComfyUI's own decode (whole) handles its OOM itself."""
+        try:
+            return run()
+        except torch.cuda.OutOfMemoryError as exc:
+            if plan.mode in ("whole", "comfy_tiled"):
+                raise
+            oom = f"{type(exc).__name__}"
+        fell_back.append(oom)
+        # outside the except block: the exception's frames (and the tensors they hold) are gone
+        mm.soft_empty_cache()
+        import nodes as comfy_nodes
+        side = _fallback_side(s, budget, cost)
+        rep.add(f"fallback: out of memory in the {plan.mode} decode ({oom}; predicted "
+                f"{plan.predicted_peak_bytes / GIB:.3f} GiB): ComfyUI's VAEDecodeTiled instead, {side}px tiles "
+                "(blended seams, not exact)")
+        return comfy_nodes.VAEDecodeTiled().decode(vae, {"samples": samples}, side, side // 4, 64, 8)[0]
+
+    images, peak = measure_peak_bytes(attempt, dev) if dev.type == "cuda" else (attempt(), None)
     elapsed = time.perf_counter() - t0
-    if plan.mode == "spatial":
+    if plan.mode == "spatial" and not fell_back:
         stats_note = ("no GroupNorm in the tiled stages" if not staged.tail_norms else
                       f"GroupNorm statistics: {settings.stats} ({len(staged.tail_norms)} layers"
                       + ("; one extra pass over the tiles)" if settings.stats == "tiles" else ")"))
@@ -884,12 +914,11 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             exactness = "exact by construction"
         rep.add(f"{info.tiles} tiles; {stats_note}; {exactness}")
         rep.add("time by phase: " + ", ".join(f"{k} {v:.2f} s" for k, v in info.phase_s.items()))
-    if plan.mode == "layered":
+    if plan.mode == "layered" and not fell_back:
         halos = ", ".join(f"{k} {v}" for k, v in sorted(layered.halo_rows.items()))
         rep.add(f"layered: {layered.units} modules in up to {layered.bands} row bands, {layered.passes} module passes "
-                f"(statistics passes included); rows of context per band: {halos}; exact GroupNorm statistics"
-                + ("" if settings.stats == "tiles" else f" (groupnorm_stats={settings.stats} applies to tiles only)"))
-    if plan.mode == "temporal" and units:
+                f"(statistics passes included); rows of context per band: {halos}; exact GroupNorm statistics")
+    if plan.mode == "temporal" and units and not fell_back:
         rep.add(f"streamed: {streamed.calls} decoder calls; units computed {streamed.work:.2f}x the frames of the "
                 "whole decode (context recomputed per chunk)")
     if peak is not None:

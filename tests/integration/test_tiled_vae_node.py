@@ -251,6 +251,42 @@ def test_the_output_has_vaedecodes_dtype_in_every_mode(comfy_env, kl_vae, monkey
         assert img.dtype == ref.dtype and img.shape == ref.shape, report
 
 
+@pytest.mark.parametrize("mode,target", [("spatial", "decode_spatial"), ("layered", "decode_layered")])
+def test_out_of_memory_in_levers_own_decode_falls_back_to_comfyuis_tiled_decode(comfy_env, kl_vae, monkeypatch, mode,
+                                                                                  target):
+    """Found in review: a prediction too low for the GPU met a raw CUDA out-of-memory error in Levers' own modes,
+    where VAEDecode falls back to its tiled decode. Now so does the node, with a report line."""
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 13)}
+
+    original = getattr(bridge_vae, target)
+
+    def oom(*a, **k):
+        if k.get("progress") is None:          # the planner's probe decode: let it run
+            return original(*a, **k)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+    _, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.02 if mode == "layered" else 0.006)
+    assert f"mode={mode}" in report, report
+    monkeypatch.setattr(bridge_vae, target, oom)
+    img, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.02 if mode == "layered" else 0.006)
+    assert f"fallback: out of memory in the {mode} decode (OutOfMemoryError" in report, report
+    side = int(report.split("VAEDecodeTiled instead, ")[1].split("px")[0])
+    ref = comfy_env.nodes.VAEDecodeTiled().decode(kl_vae, latent, side, side // 4, 64, 8)[0]
+    assert torch.equal(img, ref) and "tiles; GroupNorm" not in report and "layered:" not in report
+
+
+def test_tile_settings_a_decode_without_tiles_does_not_use_are_named_in_the_report(comfy_env, kl_vae):
+    """Found in review: an overlap or groupnorm_stats set on the node was dropped without a word when the whole
+    decode fit (or the layered decode ran)."""
+    latent = {"samples": smooth_latent((1, 16, 13, 21), 5)}
+    _, report = run_node(comfy_env, latent, kl_vae, overlap=64, groupnorm_stats="windows")
+    assert "mode=whole" in report
+    assert "overlap 64 px and groupnorm_stats=windows not used: they apply to spatial tiles" in report, report
+    _, report = run_node(comfy_env, latent, kl_vae)
+    assert "not used" not in report
+
+
 @pytest.fixture(scope="module")
 def wan_vae(tiny_wan):
     from tiny_models import tiny_wan_vae_state_dict, wan_vae_loader_reads_width
