@@ -94,6 +94,8 @@ class PhaseSettings:
     vae_device: str = "auto"
     pin: PinMode | str = PinMode.AUTO
     text_encoder_precision: str = "auto"
+    # the precision came from a connected plan, not from the node (the plan decides as auto would)
+    precision_from_plan: bool = False
     pin_budget_bytes: int | None = None
     # components a plan keeps on the GPU across phases: no other phase releases them, and they get no host master
     resident: tuple[str, ...] = ()
@@ -147,6 +149,11 @@ class Component:
             return False, "patcher updates weights in place: masters could go stale unseen, ComfyUI's copy kept"
         if torch.device(patcher.load_device) == torch.device(patcher.offload_device):
             return False, f"loads on {patcher.load_device}, its offload device: nothing moves"
+        if torch.device(patcher.load_device).type not in ("cuda", "cpu"):
+            # only CUDA has a transport (pinned copies on a side stream); elsewhere the swap would bind the weights
+            # to host copies while ComfyUI counts them on the device
+            return False, (f"loads on {patcher.load_device}: Levers' pointer swap needs a CUDA device, so ComfyUI "
+                           "moves this model itself")
         return True, "pointer-swap offload"
 
     def _table(self, patcher) -> MasterTable:
@@ -671,6 +678,20 @@ class PhaseGroup:
             keep = [lm for lm in loaded if all(lm is not e for e in evict)]
             names = sorted({c.name for c in self.components.values() if c is not comp
                             and any(lm.model.model is c.module for lm in evict if lm.model is not None)})
+            for lm in evict:
+                if (ATTACHMENT in (getattr(lm.model, "attachments", None) or {})
+                        or torch.device(lm.device) == torch.device(getattr(lm.model, "offload_device", lm.device))):
+                    continue     # released by the swap, or nothing to copy (it loads where it lives)
+                # loaded through a patcher PhaseOffload does not manage (another branch of the graph uses the same
+                # model without the node): ComfyUI's own unload copies it back, and the next load re-adopts it
+                name = next(c.name for c in self.components.values() if lm.model.model is c.module)
+                n = int(lm.model_loaded_memory()) if callable(getattr(lm, "model_loaded_memory", None)) else 0
+                self.record(name, "released by ComfyUI", h2d=0, d2h=n, swapped=0, seconds=0.0)
+                note = (f"{name} was loaded by a patcher this node does not manage (the same model used without it "
+                        "elsewhere in the graph): ComfyUI copied it back to the host itself, and the next phase "
+                        "re-adopts it")
+                if note not in self.notes:
+                    self.notes.append(note)
             for device in {lm.device for lm in evict}:
                 mm.free_memory(1e30, device, keep_loaded=keep)
             self.record(comp.name, "exclusive", released=names)
@@ -813,6 +834,42 @@ def _set_load_device(patcher, device: torch.device | None) -> None:
             register(device)
 
 
+# ComfyUI 0.33's DynamicVRAM (comfy-aimdo) keeps native buffers on the model and its layers, each freed when its
+# Python object goes: a copy must not duplicate them (two objects would free one pointer twice)
+NATIVE_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers", "_v", "_v_signature")
+_DROPPED = object()
+
+
+def _copy_without_native_state(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose modules carry none of DynamicVRAM's native state (``NATIVE_STATE``): those
+    objects are not copied at all, and the attributes are left out of the copy (a patcher made for the copy
+    creates its own)."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for attr in NATIVE_STATE:
+            if attr in m.__dict__:
+                memo[id(m.__dict__[attr])] = _DROPPED
+    out = copy.deepcopy(module, memo)
+    for m in out.modules():
+        for attr in NATIVE_STATE:
+            if m.__dict__.get(attr, None) is _DROPPED:
+                del m.__dict__[attr]
+    return out
+
+
+def _te_kept_reason(clip, explicit: bool) -> str | None:
+    """Why the text encoder keeps its stored weights instead of a private copy at another precision, or None."""
+    from ..core.residency import subclass
+
+    if any(not subclass.is_plain(p) for p in clip.cond_stage_model.parameters()):
+        return ("it holds quantized weights (fp8 scaled or another format): converting them would dequantize a "
+                "copy of the whole encoder; ComfyUI casts them per op")
+    if not explicit and getattr(clip.patcher, "patches", None):
+        return ("it carries LoRA patches: ComfyUI rounds a patched weight to the stored precision, and a 32-bit copy "
+                "would not (set text_encoder_precision to fp32 to have the copy anyway)")
+    return None
+
+
 def retype_text_encoder(clip, dtype: torch.dtype):
     """A CLIP whose text encoder weights are stored at ``dtype``: a private copy (the input CLIP and
     its module are untouched). Costs host RAM for the copy; saves ComfyUI's per-op weight casts."""
@@ -821,7 +878,7 @@ def retype_text_encoder(clip, dtype: torch.dtype):
     # a CLIP ComfyUI holds loaded carries its LoRA in the module's weights (and on the GPU): copy it unpatched
     # from the offload device, or the copy would bake the LoRA in and its patches would apply it again
     unload_entries_of(src)
-    module = copy.deepcopy(src).to(device=clip.patcher.offload_device, dtype=dtype)
+    module = _copy_without_native_state(src).to(device=clip.patcher.offload_device, dtype=dtype)
     for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False),
                         ("current_weight_patches_uuid", None), ("model_offload_buffer_memory", 0)):
         if hasattr(module, attr):
@@ -911,10 +968,15 @@ def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, nod
         if want is None and target.type == "cpu" and have in (torch.float16, torch.bfloat16):
             want = torch.float32   # seed 002: 16-bit weights on the CPU are slow; fp32 there
         retyped = want is not None and have is not None and want != have
+        explicit = TE_PRECISIONS[settings.text_encoder_precision] is not None and not settings.precision_from_plan
+        kept = _te_kept_reason(clip, explicit) if retyped else None
+        retyped = retyped and kept is None
         c = retype_text_encoder(clip, want) if retyped else clip.clone()
         _set_load_device(c.patcher, te_device)
         comp = group.add("text_encoder", c.patcher)
-        if retyped:
+        if kept is not None:
+            comp.notes.append(f"weights kept as stored, not copied to {_short(want)}: {kept}")
+        elif retyped:
             comp.notes.append(f"weights stored as {_short(want)} (a private copy; the input CLIP keeps {_short(have)})")
         elif have is not None:
             comp.notes.append(f"weights stay {_short(have)}; ComfyUI computes text encoders in fp32 "

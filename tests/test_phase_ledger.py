@@ -176,3 +176,19 @@ def test_a_load_that_raises_leaves_the_component_swapping():
         with comp.moves(patcher, "load"):
             raise RuntimeError("allocation failed part way")
     assert comp.depth == 0
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "privateuseone"])
+def test_a_load_device_without_a_transport_is_left_to_comfyui(device):
+    """Found in review: on a non-CUDA accelerator (Apple MPS, Intel XPU, DirectML) the transport was the CPU one,
+    yet the pointer swap stayed on: the weights were bound to a second host copy while ComfyUI counted them on the
+    device. Only CUDA (and the CPU's own moves) swap; elsewhere ComfyUI moves the model, with the reason."""
+    m = nn.Sequential(nn.Linear(8, 8))
+    comp = P.Component(name="diffusion_model", module=m, group=P.PhaseGroup(P.PhaseSettings(pin="off")),
+                       dynamic=False, load_device=torch.device(device), offload_device=torch.device("cpu"))
+    ok, why = comp.swaps(SimpleNamespace(load_device=torch.device(device), offload_device=torch.device("cpu"),
+                                         weight_inplace_update=False))
+    assert not ok and "needs a CUDA device" in why and device in why
+    for dev in (torch.device("cuda", 0), torch.device("cpu", 0)):
+        assert comp.swaps(SimpleNamespace(load_device=dev, offload_device=torch.device("cpu"),
+                                          weight_inplace_update=False))[0]

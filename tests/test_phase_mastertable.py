@@ -344,3 +344,26 @@ def test_an_onload_waits_for_compute_before_its_first_copy():
     ops = tr.ops[start:]
     first_copy = next(i for i, op in enumerate(ops) if op.kind == "h2d")
     assert moved and any(op.kind == "wait_compute" for op in ops[:first_copy])
+
+
+class _Params4bit(nn.Parameter):
+    """bitsandbytes' shape of a 4-bit weight: the packed data, with its quantization state beside it (moved only
+    by the parameter's own ``.to``)."""
+
+    quant_state: torch.Tensor
+
+
+def test_a_bitsandbytes_weight_is_left_to_its_own_move():
+    """Found in review: the ComfyUI path's master table took a bitsandbytes Params4bit as a plain master, so the
+    swap moved its data and left its quantization state (absmax) on the host. It is left to the manager's move
+    (the parameter's own ``.to`` runs there); the rest of the module still moves by the table."""
+    m = _model()
+    w = _Params4bit(torch.randint(0, 255, (32, 1), dtype=torch.uint8), requires_grad=False)
+    w.quant_state = torch.rand(4)
+    m[1]._parameters["weight"] = w
+    table, tr = _table(m)
+    assert "1.weight" not in table.masters and "1.bias" in table.masters
+    home = w.data_ptr()
+    moved, left = table.onload(m, DEV)
+    assert left == 1 and m[1].weight is w and w.data_ptr() == home       # untouched: the manager moves it
+    assert m[1].bias.data_ptr() != table.masters["1.bias"].host.data_ptr() and moved > 0

@@ -638,7 +638,9 @@ class MasterTable:
                     self.wrapped[name] = _WrappedMaster(host=t, leaves=inner)
                     fresh += 1
                 continue
-            if t.device.type != "cpu" or not t.is_contiguous():
+            if t.device.type != "cpu" or not t.is_contiguous() or subclass.state_outside(t):
+                # a bitsandbytes Params4bit keeps its quantization state beside the data: its own ``.to`` moves
+                # both, so it is left to the manager's move (a swapped pointer would leave the state behind)
                 continue
             m = self.masters.get(name)
             if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == _real_shape(t)

@@ -251,7 +251,9 @@ def test_a_loaded_lora_clip_is_copied_unpatched_so_its_lora_applies_once(comfy_e
     lora.load_model()                                    # an earlier encode with it: patched in the module
     assert not torch.equal(base.cond_stage_model[0].weight.float(), w0)
     want = w0 + delta.float()
-    _, c, _, _ = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu")
+    # fp32 asked for: a CLIP carrying patches is copied only then (on auto it keeps its precision)
+    _, c, _, _ = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu",
+                           text_encoder_precision="fp32")
     assert torch.equal(base.cond_stage_model[0].weight.float(), w0)        # ComfyUI unpatched it first
     for _ in range(2):                                   # each encode, with an unload in between
         c.load_model()
@@ -282,6 +284,158 @@ def test_placing_a_dynamic_vram_component_registers_its_device(comfy_env, tiny_w
     assert torch.device("cpu") in c.patcher.model.dynamic_pins
     c.patcher.set_in_use_by_current_prompt(True)         # what ComfyUI does for every model of a prompt
     c.patcher.set_in_use_by_current_prompt(False)
+
+
+def _cpu_clip(module):
+    """A CLIP around ``module`` as ComfyUI's loaders make one, on the CPU."""
+    import comfy.model_patcher
+    import comfy.sd
+
+    clip = comfy.sd.CLIP(no_init=True)
+    clip.cond_stage_model = module
+    clip.patcher = comfy.model_patcher.ModelPatcher(module, load_device=torch.device("cpu"),
+                                                    offload_device=torch.device("cpu"))
+    clip.tokenizer, clip.layer_idx, clip.tokenizer_options = None, None, {}
+    clip.use_clip_schedule, clip.apply_hooks_to_conds = False, None
+    return clip
+
+
+def test_a_dynamic_vram_text_encoder_copy_owns_none_of_the_originals_native_buffers(comfy_env, tiny_wan,
+                                                                                     monkeypatch):
+    """Found in review: the fp32 copy of a 16-bit text encoder placed on the CPU was a deep copy that duplicated
+    DynamicVRAM's native host buffers (comfy-aimdo frees each when its Python object goes): every pointer would be
+    freed twice once the old copy was dropped. The copy now carries none of that state; its patcher makes its own."""
+    import gc
+    from collections import Counter
+
+    import comfy.model_patcher as mp
+    import comfy.sd
+    if not hasattr(mp, "ModelPatcherDynamic"):
+        pytest.skip("this ComfyUI has no DynamicVRAM patcher (0.15+)")
+    import comfy_aimdo.host_buffer
+
+    freed, count = [], [100]
+
+    class HostBuffer:          # comfy_aimdo's: a native pointer in _ptr, freed in __del__
+        def __init__(self, *a, **k):
+            count[0] += 1
+            self._ptr = count[0]
+
+        def __del__(self):
+            freed.append(self._ptr)
+    monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", HostBuffer)
+    module = nn.Sequential(nn.Linear(8, 8)).half()
+    dyn = mp.ModelPatcherDynamic(module, load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+    clip = comfy.sd.CLIP(no_init=True)
+    clip.cond_stage_model, clip.patcher = module, dyn
+    clip.tokenizer, clip.layer_idx, clip.tokenizer_options = None, None, {}
+    clip.use_clip_schedule, clip.apply_hooks_to_conds = False, None
+    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
+    assert c.cond_stage_model is not module and c.cond_stage_model[0].weight.dtype == torch.float32, report
+
+    def pointers(m):
+        return {t[0]._ptr for d in m.dynamic_pins.values() for t in d.values() if isinstance(t, tuple)}
+    assert pointers(module) and not pointers(module) & pointers(c.cond_stage_model)
+    del c, clip, dyn, module
+    gc.collect()
+    assert not [p for p, n in Counter(freed).items() if n > 1]
+
+
+def test_a_text_encoder_with_quantized_weights_is_kept_as_stored(comfy_env, tiny_wan):
+    """Found in review: a text encoder holding fp8 QuantizedTensor weights (ComfyUI 0.33 loads every
+    *_fp8_e4m3fn_scaled T5 and UMT5 so) placed on the CPU crashed the node in the fp32 copy's deep copy ("invalid
+    python storage"), and converting them would have dequantized the encoder. It keeps its weights, with a note."""
+    quant = next(c for c in comfy_env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+    dm = quant.execute(tiny_wan.load_model(), format="fp8_e4m3fn", quality_check=False).args[0].model.diffusion_model
+    lin = next(m for m in dm.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+               and type(m.weight) is not nn.Parameter)
+
+    class TE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, lin.weight.shape[1]).half()
+            self.lin = lin
+
+        def forward(self, ids):
+            return self.lin(self.emb(ids).float())
+    module = TE()
+    ids = torch.arange(6).unsqueeze(0)
+    with torch.no_grad():
+        ref = module(ids)
+    for kw in ({}, {"text_encoder_precision": "fp32"}):
+        _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), _cpu_clip(module), None,
+                                    text_encoder_device="cpu", **kw)
+        assert c.cond_stage_model is module and "weights kept as stored" in report and "quantized" in report, report
+        with torch.no_grad():
+            assert torch.equal(c.cond_stage_model(ids), ref)
+
+
+def test_a_text_encoder_with_lora_patches_on_the_cpu_stays_bit_identical(comfy_env, tiny_wan):
+    """Found in review: with a CLIP LoRA, the automatic fp32 copy of a 16-bit text encoder on the CPU kept the
+    patched weights unrounded where ComfyUI rounds them to the stored fp16 (max difference 4.6e-4). A CLIP carrying
+    patches keeps its precision on auto, with a note; an explicit fp32 still copies."""
+    import comfy.ops
+
+    mm = comfy_env.mm
+    torch.manual_seed(0)
+    module = nn.Sequential(comfy.ops.manual_cast.Linear(64, 64, dtype=torch.float16))
+    with torch.no_grad():
+        module[0].weight.copy_(torch.randn(64, 64) * 0.1)
+        module[0].bias.copy_(torch.randn(64) * 0.1)        # comfy's ops leave parameters uninitialised
+    clip = _cpu_clip(module)
+    clip.patcher.set_model_compute_dtype(torch.float32)
+    lora = clip.clone()
+    lora.add_patches({"0.weight": (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.01,)}, 0.7)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    lora.load_model()
+    with torch.no_grad():
+        ref = lora.cond_stage_model(x)
+    mm.unload_all_models()
+    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu")
+    assert "weights kept as stored" in report and "LoRA" in report, report
+    c.load_model()
+    with torch.no_grad():
+        assert torch.equal(c.cond_stage_model(x), ref)
+    mm.unload_all_models()
+    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu",
+                                text_encoder_precision="fp32")
+    assert c.cond_stage_model[0].weight.dtype == torch.float32 and "weights stored as fp32" in report, report
+    # a plan's precision is the plan deciding as auto would: it keeps the LoRA'd weights as stored too
+    from comfyui_levers.bridge.phase import apply
+    from comfyui_levers.nodes.phase_offload import settings_from
+
+    class Plan:
+        experts = 1
+
+        @staticmethod
+        def component(name):
+            if name != "text_encoder":
+                raise KeyError(name)
+            return SimpleNamespace(device="cpu", residency=None, pin=False, precision="fp32", name=name)
+    settings = settings_from(Plan(), "auto", "auto", "auto", "off", "auto")
+    assert settings.text_encoder_precision == "fp32" and settings.precision_from_plan
+    out = apply(tiny_wan.load_model(), lora, None, settings)
+    assert out.clip.cond_stage_model is module
+
+
+def test_a_release_comfyui_copies_itself_is_counted_in_the_ledger(comfy_env, tiny_wan):
+    """Found in review: when the same model is also sampled by a branch without the node, ComfyUI tracks it under
+    that branch's patcher, and the release at the next phase is ComfyUI's own copy back to the host; the ledger said
+    0 bytes device->host. The copy is now counted, with a note saying why."""
+    mm = comfy_env.mm
+    model = _host_offload(tiny_wan.load_model())
+    vae = tiny_wan.load_vae()
+    mm.unload_all_models()
+    m, _, v, _ = _run_node(comfy_env, model, None, _host_offload_vae(vae))
+    latent = tiny_wan.sample(m)                  # through PhaseOffload
+    tiny_wan.sample(model)                       # the plain branch, same model
+    tiny_wan.decode(v, latent)                   # the decode phase releases the DiT: ComfyUI's own unload
+    led = _group(m).ledger()
+    decode = [p for p in led["run"]["phases"] if p["phase"] == "decode"][-1]
+    dit = sum(t.numel() * t.element_size() for t in m.model.diffusion_model.parameters())
+    assert decode["released"] == ["diffusion_model"] and decode["d2h_bytes"] >= dit * 0.9, decode
+    assert any("a patcher this node does not manage" in n for n in led["notes"]), led["notes"]
+    mm.unload_all_models()
 
 
 def test_invalid_settings_name_the_field(comfy_env, tiny_wan):
