@@ -870,6 +870,15 @@ def _te_kept_reason(clip, explicit: bool) -> str | None:
     return None
 
 
+# text encoder module -> {dtype: its private copy at that dtype}, while something holds the copy
+_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, weakref.ref]]" = weakref.WeakKeyDictionary()
+
+
+def _cached_copy(src: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module | None:
+    ref = _COPIES.get(src, {}).get(dtype)
+    return ref() if ref is not None else None
+
+
 def retype_text_encoder(clip, dtype: torch.dtype):
     """A CLIP whose text encoder weights are stored at ``dtype``: a private copy (the input CLIP and
     its module are untouched). Costs host RAM for the copy; saves ComfyUI's per-op weight casts."""
@@ -878,7 +887,14 @@ def retype_text_encoder(clip, dtype: torch.dtype):
     # a CLIP ComfyUI holds loaded carries its LoRA in the module's weights (and on the GPU): copy it unpatched
     # from the offload device, or the copy would bake the LoRA in and its patches would apply it again
     unload_entries_of(src)
-    module = _copy_without_native_state(src).to(device=clip.patcher.offload_device, dtype=dtype)
+    module = _cached_copy(src, dtype)
+    if module is not None:
+        # the node ran again (a widget changed) while its last output, and so this copy, is still cached: share it
+        # instead of holding a second copy (an fp32 T5-XXL is 19 GB); unloaded first, so it is unpatched
+        unload_entries_of(module)
+    else:
+        module = _copy_without_native_state(src).to(device=clip.patcher.offload_device, dtype=dtype)
+        _COPIES.setdefault(src, {})[dtype] = weakref.ref(module)
     for attr, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0), ("model_lowvram", False),
                         ("current_weight_patches_uuid", None), ("model_offload_buffer_memory", 0)):
         if hasattr(module, attr):

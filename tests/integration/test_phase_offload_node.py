@@ -341,6 +341,34 @@ def test_a_dynamic_vram_text_encoder_copy_owns_none_of_the_originals_native_buff
     assert not [p for p, n in Counter(freed).items() if n > 1]
 
 
+def test_the_node_run_again_shares_its_text_encoder_copy(comfy_env, tiny_wan):
+    """Found in review: each run of the node (a widget changed) made a new fp32 copy of the text encoder while
+    ComfyUI still cached the last output and its copy: two copies in host RAM (an fp32 T5-XXL is 19 GB). A copy of
+    the same module at the same precision is shared while it is alive; it goes with the outputs that hold it."""
+    import gc
+    import weakref
+
+    module = nn.Sequential(nn.Linear(8, 8)).half()
+    clip = _cpu_clip(module)
+    _, first, _, _ = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
+    _, again, _, report = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu",
+                                    pin="off")
+    copy_ = first.cond_stage_model
+    assert copy_ is not module and again.cond_stage_model is copy_ and copy_[0].weight.dtype == torch.float32
+    assert again.patcher is not first.patcher
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(again.cond_stage_model(x), module.float()(x))
+    module.half()
+    gone = weakref.ref(copy_)
+    del first, again, copy_
+    gc.collect()
+    assert gone() is None
+    _, third, _, _ = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu",
+                               text_encoder_precision="bf16")
+    assert third.cond_stage_model[0].weight.dtype == torch.bfloat16
+
+
 def test_a_text_encoder_with_quantized_weights_is_kept_as_stored(comfy_env, tiny_wan):
     """Found in review: a text encoder holding fp8 QuantizedTensor weights (ComfyUI 0.33 loads every
     *_fp8_e4m3fn_scaled T5 and UMT5 so) placed on the CPU crashed the node in the fp32 copy's deep copy ("invalid
