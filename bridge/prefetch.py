@@ -764,7 +764,7 @@ class _Session:
         if self.rebuilt is not None:
             taken, total = self.rebuilt
             head += (f"\nhost copy rebuilt for this layout: {_gb(taken)} of its {_gb(total)} taken over where the "
-                     f"last copy held it (not copied again; kept page-locked where it was and still is to be), "
+                     f"last copy held it (not copied again, nor page-locked again where it was), "
                      f"{_gb(total - taken)} copied."
                      if taken else
                      f"\nhost copy rebuilt for this layout: {_gb(total)} copied (no segment of the last copy held "

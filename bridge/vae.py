@@ -746,15 +746,20 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             + (f", streamed chunk {cost.stream_base_bytes_per_px:.0f} + {cost.stream_frame_bytes_per_px:.0f} B/px per "
                "latent frame" if units else "")
             + f"; tail receptive field {halo_px:.0f} px")
-    try:
-        plan = plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
-                           tile=tile_lat, overlap=overlap_lat,
+
+    def plan_at(tile_latent: int | None) -> TilePlan:
+        """The plan with tiles of ``tile_latent`` latent px (None: the planner's own)."""
+        return plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
+                           tile=tile_latent, overlap=overlap_lat,
                            chunk_frames=chunk_frames, spatial_supported=staged is not None,
                            temporal_supported=staged is not None and (staged.causal or staged.streamed or
                                                                       bool(units)),
                            out_frames=_out_frames(vae, samples.shape[2]) if video else None,
                            auto_chunk_frames=staged.own_chunk_frames if own else 1,
                            tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
+
+    try:
+        plan = plan_at(tile_lat)
     except BudgetExceeded as exc:
         if staged is not None and settings.memory_budget_gb > 0:
             # a budget the user set: say what it would take rather than exceed it
@@ -781,13 +786,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                             "out-of-memory", exact=True)
             rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
     if tile and plan.mode == "spatial" and plan.predicted_peak_bytes > budget:
-        _user_tile_over_budget(plan, budget, settings, rep, s,
-                               lambda k: plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px, tile=k,
-                                                     overlap=overlap_lat, chunk_frames=chunk_frames,
-                                                     out_frames=_out_frames(vae, samples.shape[2]) if video else None,
-                                                     auto_chunk_frames=staged.own_chunk_frames if own else 1,
-                                                     tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames
-                                                     else 0))
+        _user_tile_over_budget(plan, budget, settings, rep, s, plan_at)
     if plan.mode == "spatial" and not tile and not video:
         default_norms, default_halo = len(staged.tail_norms), halo_px
         for alt, scale_label in deeper_stems(vae, staged):

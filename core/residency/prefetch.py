@@ -576,6 +576,13 @@ class HostStore:
             if bad is not None:
                 failed.setdefault(arena.dtype, bad)
 
+    def _drop_entries(self, gone: Sequence[_Entry]) -> None:
+        """Forget ``gone`` (entries this store no longer holds)."""
+        ids = {id(e) for e in gone}
+        if ids:
+            self.entries = [e for e in self.entries if id(e) not in ids]
+            self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
+
     def _give_up(self, segments: Sequence[torch.Tensor]) -> None:
         """Forget ``segments`` and the weights in them: a store built next holds them now (``adopt``)."""
         ids = {id(t) for t in segments}
@@ -587,25 +594,22 @@ class HostStore:
                 if e.dtype in self.arenas and self.arenas[e.dtype].segments[self.arenas[e.dtype].index(e.offset)] is None]
         for e in gone:
             e.host_view = e.tensor = None
-        ids = {id(e) for e in gone}
-        self.entries = [e for e in self.entries if id(e) not in ids]
-        self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
+        self._drop_entries(gone)
 
     def _release_module(self, transport: Transport, module: nn.Module) -> None:
         """A store built next bound ``module``'s weights to its own copy: what this store still holds of it goes. A
         tensor of it still bound here (one the new copy leaves out: a tail ComfyUI loads) gets its own storage
         first, and each segment left holding nothing is unpinned and let go, so a rebuild holds the streamed bytes
         once plus about a segment, whatever it takes over."""
-        mine = [e for e in self.entries if self.modules[e.block] is module]
+        b = next((i for i, m in enumerate(self.modules) if m is module), None)
+        mine = list(self.by_block[b]) if b is not None else []
         if not mine:
             return
         touched = {(e.dtype, self.arenas[e.dtype].index(e.offset)) for e in mine}
         with torch.no_grad(), torch.inference_mode(self.inference):
             for e in mine:
                 self._restore_entry(e, transport)     # nothing to do for a weight the new copy bound
-        ids = {id(e) for e in mine}
-        self.entries = [e for e in self.entries if id(e) not in ids]
-        self.by_block = [[e for e in es if id(e) not in ids] for es in self.by_block]
+        self._drop_entries(mine)
         left = {(e.dtype, self.arenas[e.dtype].index(e.offset)) for e in self.entries}
         for dtype, i in touched - left:
             seg = self.arenas[dtype].segments[i]
@@ -819,8 +823,7 @@ class HostStore:
         transport.synchronize()  # one-time: restored copies must land before the packed planes go
         if kept_ids:
             ids = {id(e) for e in kept}
-            self.entries = kept
-            self.by_block = [[e for e in es if id(e) in ids] for es in self.by_block]
+            self._drop_entries([e for e in self.entries if id(e) not in ids])
             # the packed planes only streamed: the next copy is built from the arenas
             _unpin_all(transport, self._pinned_planes)
             self._planes.clear()
