@@ -583,7 +583,7 @@ _MISMATCH_HINT = ("The latent and the VAE come from different model families (an
                   "latent into a Wan VAE): connect the VAE that matches the model that made the latent.")
 
 
-def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling=None) -> tuple[torch.Tensor, str]:
+def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan=None) -> tuple[torch.Tensor, str]:
     """Decode ``samples`` like VAEDecode (IMAGE [N, H, W, C], video frames flattened into N) and a report.
 
     A latent the VAE cannot decode is an error that says so (ComfyUI's VAEDecode fails there with a bare
@@ -612,7 +612,7 @@ def tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan
                           f"a 5-D video latent [batch, {channels}, frames, height, width] for this video VAE",
                           "This is a 4-D image latent. " + _MISMATCH_HINT)
     try:
-        images, report = _tiled_decode(vae, samples, settings, plan_tiling)
+        images, report = _tiled_decode(vae, samples, settings, plan)
     except RuntimeError as e:
         wrong = channel_mismatch(e, vae, samples)
         if wrong is not None:
@@ -636,6 +636,35 @@ def channel_mismatch(error: BaseException, vae, samples: torch.Tensor) -> Config
         takes = int(m.group(2))
     return ConfigError("samples", f"{samples.shape[1]} channels", f"{takes}-channel latents (what this VAE decodes)",
                        _MISMATCH_HINT)
+
+
+def _plan_line(plan, width: int, height: int, frames: int) -> str:
+    """What a connected Recommend plan predicted for the decode, and whether it was made for this decode's size.
+
+    Recommend sizes tiles from a formula before anything runs; this node measures the VAE itself and picks exact
+    overlaps, the layered decode or the least-work tiles, so the plan's sizes are only reported. A plan made for
+    another size (a 1024x1024 plan on a 2048x2048 decode) predicted another decode: the line says so."""
+    vae_plan = getattr(plan, "vae", None)
+    tiling = getattr(vae_plan, "tiling", None)
+    if tiling is not None:
+        line = (f"plan (Recommend) predicted a tiled decode: {tiling.tile_px}px tiles, {tiling.overlap_px}px overlap"
+                + (f", {tiling.temporal_frames}-frame chunks" if tiling.temporal_frames else "")
+                + f", peak {tiling.peak_bytes / GIB:.2f} GiB")
+    else:
+        peak = int(getattr(plan, "vae_decode_peak_bytes", 0) or 0)
+        line = "plan (Recommend) predicted the whole decode" + (f", peak {peak / GIB:.2f} GiB" if peak else "")
+    line += "; this node plans from its own measurement instead (sizes set on the node still apply)"
+    work = getattr(plan, "workload", None) or {}
+    try:
+        planned = (int(work["width"]), int(work["height"]), int(work.get("frames", 1) or 1))
+    except (KeyError, TypeError, ValueError):
+        return line
+    if planned != (width, height, frames):
+        def size(w: int, h: int, f: int) -> str:
+            return f"{w}x{h}" + (f", {f} frames" if f > 1 else "")
+        line += (f". The plan was made for {size(*planned)}; this latent decodes to {size(width, height, frames)}, "
+                 "so its prediction is for another decode (run Recommend with this size for a matching plan)")
+    return line
 
 
 def _fallback_side(s: int, budget: float, cost: DecodeCost) -> int:
@@ -670,7 +699,7 @@ def _user_tile_over_budget(plan: TilePlan, budget: int, settings: TiledDecodeSet
             f"budget, {advice}.")
 
 
-def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan_tiling) -> tuple[torch.Tensor, str]:
+def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, plan) -> tuple[torch.Tensor, str]:
     import comfy.model_management as mm
     import comfy.utils
 
@@ -698,13 +727,9 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     # smaller one would become 0, hard seams)
     tile_lat = tile // s if tile else None
     overlap_lat = -(-overlap // s) if overlap else None
-    if plan_tiling is not None:
-        # Recommend sizes tiles from a formula before anything runs; this node measures the VAE itself and picks
-        # exact overlaps, the layered decode or the least-work tiles, so the plan's sizes are only reported
-        rep.add(f"plan (Recommend) predicted a tiled decode: {plan_tiling.tile_px}px tiles, {plan_tiling.overlap_px}px "
-                "overlap" + (f", {plan_tiling.temporal_frames}-frame chunks" if plan_tiling.temporal_frames else "")
-                + f", peak {plan_tiling.peak_bytes / GIB:.2f} GiB; this node plans from its own measurement instead "
-                "(sizes set on the node still apply)")
+    if plan is not None:
+        rep.add(_plan_line(plan, samples.shape[-1] * s, samples.shape[-2] * s,
+                           _out_frames(vae, samples.shape[2]) if video else 1))
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
     streams = video and staged is not None and bool(staged.time_units)

@@ -9,15 +9,6 @@ from ..bridge.vae import TiledDecodeSettings, tiled_decode
 PLAN = io.Custom("LEVERS_PLAN")
 
 
-def _plan_tiling(plan):
-    if plan is None:
-        return None
-    try:
-        return plan.vae.tiling
-    except (AttributeError, KeyError):
-        return None
-
-
 class LeversTiledVAEDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -35,8 +26,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                 io.Vae.Input("vae", tooltip="The VAE to decode with. Tiled seamlessly: SD/SDXL/FLUX/SD3 KL, Wan 2.1/2.2, "
                                            "HunyuanVideo 1.0/1.5, HunyuanImage 2.1, LTX-Video; any other VAE runs ComfyUI's own "
                                            "decode."),
-                PLAN.Input("plan", optional=True, tooltip="A Levers plan. Its predicted VAE tiling is reported; the node "
-                                                             "sizes the decode from its own measurement of the VAE."),
+                PLAN.Input("plan", optional=True, tooltip="A Levers plan. Its predicted VAE decode is reported (and "
+                                                             "whether it was planned for this size); the node sizes the "
+                                                             "decode from its own measurement of the VAE."),
                 io.Int.Input("tile_size", default=0, min=0, max=4096, step=8,
                              tooltip="Tile size in output pixels, as in VAEDecodeTiled. 0 = auto: no tiling when the "
                                      "whole decode fits, else a layered decode (KL images) when it fits, else tiles "
@@ -73,7 +65,7 @@ class LeversTiledVAEDecode(io.ComfyNode):
         settings = TiledDecodeSettings(tile_size=tile_size, overlap=overlap, temporal_size=temporal_size,
                                        temporal_overlap=temporal_overlap, memory_budget_gb=memory_budget_gb,
                                        stats=groupnorm_stats, free_other_models=unload_other_models)
-        images, report = tiled_decode(vae, samples["samples"], settings, _plan_tiling(plan))
+        images, report = tiled_decode(vae, samples["samples"], settings, plan)
         return io.NodeOutput(images, report, ui=ui.PreviewText(report))
 
 

@@ -160,6 +160,23 @@ def test_a_recommend_plan_is_reported_but_the_node_plans_from_its_measurement(co
     assert "mode=spatial" in report and "tile=96x96px" in report, report
 
 
+def test_a_plan_made_for_another_size_is_named_in_the_report(comfy_env, kl_vae):
+    """A plan carries the workload it was made for; wired to a decode of another size, its VAE prediction is for
+    another decode, and the report says so (before, it was reported as if it described this decode)."""
+    import types
+
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 11)}           # decodes to 192x192
+    def plan_for(width, height):
+        return types.SimpleNamespace(vae=types.SimpleNamespace(tiling=None), vae_decode_peak_bytes=3 << 29,
+                                     workload={"width": width, "height": height, "frames": 1})
+    _, report = run_node(comfy_env, latent, kl_vae, plan=plan_for(192, 192))
+    assert "plan (Recommend) predicted the whole decode, peak 1.50 GiB" in report, report
+    assert "The plan was made for" not in report, report
+    _, report = run_node(comfy_env, latent, kl_vae, plan=plan_for(1024, 1024))
+    assert ("The plan was made for 1024x1024; this latent decodes to 192x192, so its prediction is for another "
+            "decode") in report, report
+
+
 def test_kl_budget_for_a_deeper_stem_tiles_only_the_last_stage(comfy_env, kl_vae):
     """Between the deeper stem's peak (stages up to 1/2 of the output scale whole) and the layered decode's, the
     node tiles only the last stage: fewer GroupNorms to estimate, a smaller receptive field, less overlap. The
