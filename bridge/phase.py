@@ -40,7 +40,7 @@ import torch
 from ..core.errors import ConfigError
 from ..core.residency.phase import MasterTable, swap_module_to
 from ..core.residency.pinned import PinMode, PinnedStore
-from ..core.residency.transport import make_transport
+from ..core.residency.transport import make_transport, tensor_nbytes
 from .inputs import require_clip, require_model, require_vae
 from .comfy_mode import unload_entries_of
 
@@ -679,9 +679,11 @@ class PhaseGroup:
             names = sorted({c.name for c in self.components.values() if c is not comp
                             and any(lm.model.model is c.module for lm in evict if lm.model is not None)})
             for lm in evict:
-                if (ATTACHMENT in (getattr(lm.model, "attachments", None) or {})
+                if (ATTACHMENT in (getattr(lm.model, "attachments", None) or {}) or is_dynamic(lm.model)
                         or torch.device(lm.device) == torch.device(getattr(lm.model, "offload_device", lm.device))):
-                    continue     # released by the swap, or nothing to copy (it loads where it lives)
+                    # released by the swap; or by DynamicVRAM, which gives back its VRAM and copies nothing home; or
+                    # nothing to copy (it loads where it lives)
+                    continue
                 # loaded through a patcher PhaseOffload does not manage (another branch of the graph uses the same
                 # model without the node): ComfyUI's own unload copies it back, and the next load re-adopts it
                 name = next(c.name for c in self.components.values() if lm.model.model is c.module)
@@ -773,7 +775,7 @@ class PhaseGroup:
             table = c.table
             comps[name] = {
                 "dynamic": c.dynamic, "load_device": str(c.load_device), "offload_device": str(c.offload_device),
-                "masters": len(table.masters) if table else 0,
+                "masters": len(table.masters) + len(table.wrapped) if table else 0,
                 "master_bytes": _master_bytes(table),
                 "pin": table.pin_outcome.as_dict() if table and table.pin_outcome else None,
                 "notes": list(c.notes)}
@@ -787,9 +789,12 @@ class PhaseGroup:
 
 
 def _master_bytes(table: MasterTable | None) -> int:
+    """Host bytes of the masters: plain tensors and the inner tensors of wrapped ones (fp8 ``QuantizedTensor``
+    codes and scales), tied twins once."""
     if table is None:
         return 0
-    unique = {(m.host.data_ptr(), m.host.nbytes) for m in table.masters.values()}   # tied twins once
+    unique = {(m.host.data_ptr(), tensor_nbytes(m.host)) for m in table.masters.values()}
+    unique |= {(x.data_ptr(), tensor_nbytes(x)) for w in table.wrapped.values() for _, x in w.leaves}
     return sum(nbytes for _, nbytes in unique)
 
 
@@ -834,27 +839,27 @@ def _set_load_device(patcher, device: torch.device | None) -> None:
             register(device)
 
 
-# ComfyUI 0.33's DynamicVRAM (comfy-aimdo) keeps native buffers on the model and its layers, each freed when its
-# Python object goes: a copy must not duplicate them (two objects would free one pointer twice)
-NATIVE_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers", "_v", "_v_signature")
-_DROPPED = object()
+# ComfyUI 0.33's DynamicVRAM (comfy-aimdo) keeps native buffers on the model (``dynamic_*``) and on each layer it
+# loaded (its pin state and pins, its VRAM slice and signature, its LoRA functions): each buffer is freed when its
+# Python object goes, so a copy must not duplicate them (two objects would free one pointer twice)
+NATIVE_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers", "_v", "_v_signature", "_v_block", "_pin_state",
+                "_pins", "weight_lowvram_function", "bias_lowvram_function")
 
 
 def _copy_without_native_state(module: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``module`` whose modules carry none of DynamicVRAM's native state (``NATIVE_STATE``): those
-    objects are not copied at all, and the attributes are left out of the copy (a patcher made for the copy
-    creates its own)."""
-    memo: dict[int, Any] = {}
+    attributes are taken off the original for the copy and put back after, so they are neither copied nor in the
+    copy (a patcher made for the copy creates its own; ComfyUI reads each with a default)."""
+    held = []
     for m in module.modules():
-        for attr in NATIVE_STATE:
-            if attr in m.__dict__:
-                memo[id(m.__dict__[attr])] = _DROPPED
-    out = copy.deepcopy(module, memo)
-    for m in out.modules():
-        for attr in NATIVE_STATE:
-            if m.__dict__.get(attr, None) is _DROPPED:
-                del m.__dict__[attr]
-    return out
+        state = {attr: m.__dict__.pop(attr) for attr in NATIVE_STATE if attr in m.__dict__}
+        if state:
+            held.append((m, state))
+    try:
+        return copy.deepcopy(module)
+    finally:
+        for m, state in held:
+            m.__dict__.update(state)
 
 
 def _te_kept_reason(clip, explicit: bool) -> str | None:

@@ -192,3 +192,67 @@ def test_a_load_device_without_a_transport_is_left_to_comfyui(device):
     for dev in (torch.device("cuda", 0), torch.device("cpu", 0)):
         assert comp.swaps(SimpleNamespace(load_device=dev, offload_device=torch.device("cpu"),
                                           weight_inplace_update=False))[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_release_by_comfyui_is_booked_as_a_copy_home_only_when_comfyui_copies(monkeypatch, dynamic):
+    """The same diffusion model loaded by a patcher the node does not manage (a branch of the graph without it) is
+    released by ComfyUI at the next phase. The legacy unload copies it home (booked as device-to-host bytes, with a
+    note); DynamicVRAM's unload gives its VRAM back and copies nothing (found in review: it was booked as 12 GiB
+    device-to-host with the note that ComfyUI had copied it)."""
+    import types
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models = []
+
+    def free_memory(request, device, keep_loaded=()):
+        mm.current_loaded_models[:] = [lm for lm in mm.current_loaded_models
+                                       if lm.device != device or any(lm is k for k in keep_loaded)]
+    mm.free_memory = free_memory
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+
+    class Patcher:
+        def __init__(self, model):
+            self.model, self.load_device, self.offload_device = model, torch.device("cuda", 0), torch.device("cpu")
+            self.attachments, self.weight_inplace_update = {}, False
+
+        def is_dynamic(self):
+            return dynamic
+
+        def clone(self):
+            return Patcher(self.model)
+
+    dit, vae = nn.Linear(4, 4), nn.Linear(4, 4)
+    group = P.PhaseGroup(P.PhaseSettings(pin="off"))
+    group.add("diffusion_model", Patcher(dit))
+    vae_patcher = Patcher(vae)
+    group.add("vae", vae_patcher)
+    mm.current_loaded_models.append(SimpleNamespace(model=Patcher(dit), device=torch.device("cuda", 0),
+                                                    model_loaded_memory=lambda: 12 * 2 ** 30))
+    group.start_phase(group.components["vae"], vae_patcher)
+    group.close_phase()
+    decode = group.run.phases[-1]
+    assert decode.released == ["diffusion_model"] and not mm.current_loaded_models
+    noted = any("a patcher this node does not manage" in n for n in group.notes)
+    assert (decode.d2h_bytes, noted) == ((0, False) if dynamic else (12 * 2 ** 30, True)), (decode, group.notes)
+
+
+def test_master_bytes_count_wrapped_weights():
+    """Found in review: a diffusion model whose weights are fp8 wrappers (ComfyUI's QuantizedTensor) reported
+    "masters 0.000 GiB" and 0 masters: only plain masters were counted, not the wrapped ones' codes and scales."""
+    from comfyui_levers.core.residency.phase import MasterTable
+    from comfyui_levers.core.residency.transport import CpuTransport
+    from test_prefetch_subclass import Fp8Wrapper
+
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    for lin in m:
+        w = lin.weight.detach()
+        scale = (w.abs().amax() / 448.0).reshape(())
+        q = Fp8Wrapper((w / scale).to(torch.float8_e4m3fn), scale)
+        q._is_param = True
+        lin._parameters["weight"] = q
+    table = MasterTable(m, "diffusion_model", CpuTransport())
+    table.capture()
+    assert len(table.wrapped) == 3 and len(table.masters) == 3          # the fp8 weights and the plain biases
+    assert P._master_bytes(table) == 3 * (64 * 64 + 4) + 3 * 64 * 4

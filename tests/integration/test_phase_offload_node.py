@@ -304,7 +304,10 @@ def test_a_dynamic_vram_text_encoder_copy_owns_none_of_the_originals_native_buff
                                                                                      monkeypatch):
     """Found in review: the fp32 copy of a 16-bit text encoder placed on the CPU was a deep copy that duplicated
     DynamicVRAM's native host buffers (comfy-aimdo frees each when its Python object goes): every pointer would be
-    freed twice once the old copy was dropped. The copy now carries none of that state; its patcher makes its own."""
+    freed twice once the old copy was dropped. The copy now carries none of that state; its patcher makes its own.
+    Found in a later review: the per-layer state DynamicVRAM's load leaves (``_pin_state``, ``_pins``, and
+    ``_v_signature = None``) was copied too, and dropping ``None`` by identity turned every ``None`` in the copy,
+    a Linear's missing bias included, into a placeholder the dtype conversion then crashed on."""
     import gc
     from collections import Counter
 
@@ -324,19 +327,38 @@ def test_a_dynamic_vram_text_encoder_copy_owns_none_of_the_originals_native_buff
         def __del__(self):
             freed.append(self._ptr)
     monkeypatch.setattr(comfy_aimdo.host_buffer, "HostBuffer", HostBuffer)
-    module = nn.Sequential(nn.Linear(8, 8)).half()
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, bias=False)).half()
     dyn = mp.ModelPatcherDynamic(module, load_device=torch.device("cuda", 0), offload_device=torch.device("cpu"))
+    for layer in module:        # what ModelPatcherDynamic.load leaves on each cast layer (set_dirty, pin_memory)
+        layer._v_signature = None
+        layer._pin_state = module.dynamic_pins[torch.device("cuda", 0)]
+        layer._pins = {"weights": {"pin": None, "hostbuf": HostBuffer()}}
     clip = comfy.sd.CLIP(no_init=True)
     clip.cond_stage_model, clip.patcher = module, dyn
     clip.tokenizer, clip.layer_idx, clip.tokenizer_options = None, None, {}
     clip.use_clip_schedule, clip.apply_hooks_to_conds = False, None
     _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
-    assert c.cond_stage_model is not module and c.cond_stage_model[0].weight.dtype == torch.float32, report
+    copied = c.cond_stage_model
+    assert copied is not module and copied[0].weight.dtype == torch.float32, report
+    assert copied[1].bias is None and torch.equal(copied[0].bias, module[0].bias.float())
 
     def pointers(m):
-        return {t[0]._ptr for d in m.dynamic_pins.values() for t in d.values() if isinstance(t, tuple)}
-    assert pointers(module) and not pointers(module) & pointers(c.cond_stage_model)
-    del c, clip, dyn, module
+        found, seen, todo = set(), set(), [v for sub in m.modules() for v in sub.__dict__.values()]
+        while todo:
+            v = todo.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, HostBuffer):
+                found.add(v._ptr)
+            elif isinstance(v, dict):
+                todo.extend(v.values())
+            elif isinstance(v, (list, tuple, set)):
+                todo.extend(v)
+        return found
+    assert len(pointers(module)) >= 3 and not pointers(module) & pointers(copied)
+    assert not any(hasattr(layer, a) for layer in copied for a in ("_pin_state", "_pins", "_v_signature"))
+    del c, copied, clip, dyn, module
     gc.collect()
     assert not [p for p, n in Counter(freed).items() if n > 1]
 
