@@ -846,13 +846,20 @@ NATIVE_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers", "_v", "_v_s
                 "_pins", "weight_lowvram_function", "bias_lowvram_function")
 
 
+# what every patcher of one module shares, as ComfyUI's clones do (the weights each patch replaced, to restore them
+# when another patcher of the module loads): kept on a text-encoder copy for the patchers of later outputs
+_PATCHER_STATE = "_levers_patcher_state"
+_SHARED_BY_CLONES = ("backup", "backup_buffers", "object_patches_backup", "pinned")
+
+
 def _copy_without_native_state(module: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``module`` whose modules carry none of DynamicVRAM's native state (``NATIVE_STATE``): those
     attributes are taken off the original for the copy and put back after, so they are neither copied nor in the
-    copy (a patcher made for the copy creates its own; ComfyUI reads each with a default)."""
+    copy (a patcher made for the copy creates its own; ComfyUI reads each with a default). Nor is the patcher state
+    a copy made here carries."""
     held = []
     for m in module.modules():
-        state = {attr: m.__dict__.pop(attr) for attr in NATIVE_STATE if attr in m.__dict__}
+        state = {attr: m.__dict__.pop(attr) for attr in NATIVE_STATE + (_PATCHER_STATE,) if attr in m.__dict__}
         if state:
             held.append((m, state))
     try:
@@ -908,6 +915,15 @@ def retype_text_encoder(clip, dtype: torch.dtype):
         module.device = clip.patcher.offload_device
     patcher = type(clip.patcher)(module, load_device=clip.patcher.load_device,
                                  offload_device=clip.patcher.offload_device)
+    # every output sharing the copy gets a patcher that shares its backups, as a clone would: one output's LoRA
+    # patches the shared weights, and the next load by another output restores them from the common backup (each
+    # patcher with its own backup left the last LoRA baked into the copy for every output)
+    shared = module.__dict__.get(_PATCHER_STATE)
+    if shared is None:
+        module.__dict__[_PATCHER_STATE] = {a: getattr(patcher, a) for a in _SHARED_BY_CLONES if hasattr(patcher, a)}
+    else:
+        for attr, value in shared.items():
+            setattr(patcher, attr, value)
     # keep what the input patcher carried (LoRA patches, compute dtype, hooks, options)
     for attr in ("patches", "object_patches", "weight_wrapper_patches", "model_options", "patches_uuid",
                  "force_cast_weights", "hook_mode", "is_clip", "forced_hooks", "hook_patches", "callbacks",

@@ -391,6 +391,50 @@ def test_the_node_run_again_shares_its_text_encoder_copy(comfy_env, tiny_wan):
     assert third.cond_stage_model[0].weight.dtype == torch.bfloat16
 
 
+def test_outputs_sharing_the_text_encoder_copy_do_not_leak_a_lora_into_each_other(comfy_env, tiny_wan):
+    """Found in review: two outputs alive at once that share the fp32 copy (two PhaseOffload nodes on one CLIP, one
+    behind a LoRA; or ComfyUI's cache keeping the older output) each had a patcher with its own backup. When one
+    loaded after the other, ComfyUI handed the module over as between clones, leaving the LoRA in the weights, and
+    the other's unpatch had nothing to restore: the plain output encoded with the LoRA, even after unloading. The
+    patchers of one copy now share their backups, as clones do."""
+    import comfy.ops
+
+    mm = comfy_env.mm
+    torch.manual_seed(0)
+    module = nn.Sequential(comfy.ops.manual_cast.Linear(64, 64, dtype=torch.float16))
+    with torch.no_grad():
+        module[0].weight.copy_(torch.randn(64, 64) * 0.1)
+        module[0].bias.copy_(torch.randn(64) * 0.1)
+    module.manual_cast_dtype = None
+    clip = _cpu_clip(module)
+    clip.patcher.set_model_compute_dtype(torch.float32)
+    lora = clip.clone()
+    lora.add_patches({"0.weight": (torch.ones(64, 64),)}, 1.0)
+    x = torch.randn(2, 64)
+    _, plain, _, _ = _run_node(comfy_env, tiny_wan.load_model(), clip, text_encoder_device="cpu",
+                               text_encoder_precision="fp32")
+    plain.load_model()
+    with torch.no_grad():
+        ref = plain.cond_stage_model(x).clone()
+    mm.unload_all_models()
+    _, patched, _, _ = _run_node(comfy_env, tiny_wan.load_model(), lora, text_encoder_device="cpu",
+                                 text_encoder_precision="fp32")
+    assert patched.cond_stage_model is plain.cond_stage_model         # shared, not a second copy
+    patched.load_model()
+    with torch.no_grad():
+        with_lora = patched.cond_stage_model(x).clone()
+    assert (with_lora - ref).abs().max() > 0.1                          # the LoRA applied
+    plain.load_model()
+    with torch.no_grad():
+        assert torch.equal(plain.cond_stage_model(x), ref)
+    patched.load_model()
+    with torch.no_grad():
+        assert torch.equal(patched.cond_stage_model(x), with_lora)
+    mm.unload_all_models()
+    with torch.no_grad():
+        assert torch.equal(plain.cond_stage_model(x), ref)
+
+
 def test_a_text_encoder_with_quantized_weights_is_kept_as_stored(comfy_env, tiny_wan):
     """Found in review: a text encoder holding fp8 QuantizedTensor weights (ComfyUI 0.33 loads every
     *_fp8_e4m3fn_scaled T5 and UMT5 so) placed on the CPU crashed the node in the fp32 copy's deep copy ("invalid
