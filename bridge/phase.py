@@ -94,8 +94,6 @@ class PhaseSettings:
     vae_device: str = "auto"
     pin: PinMode | str = PinMode.AUTO
     text_encoder_precision: str = "auto"
-    # the precision came from a connected plan, not from the node (the plan decides as auto would)
-    precision_from_plan: bool = False
     pin_budget_bytes: int | None = None
     # components a plan keeps on the GPU across phases: no other phase releases them, and they get no host master
     resident: tuple[str, ...] = ()
@@ -135,6 +133,9 @@ class Component:
     depth: int = 0
     notes: list[str] = field(default_factory=list)
     resident: bool = False       # the plan keeps it on the GPU across phases (PhaseSettings.resident)
+    # a text encoder copied at a wider precision: the stored dtype of each weight, which ComfyUI rounds a patched
+    # weight to (a LoRA'd fp16 weight held in fp32 is rounded to fp16 and back, as it would be without the copy)
+    stored_dtypes: dict[str, torch.dtype] | None = None
 
     def on_model_patcher_clone(self) -> "Component":
         return self  # clones of a managed patcher belong to the same component
@@ -254,6 +255,15 @@ def _phase_class(base: type) -> type:
         with comp.moves(self, "partial_unload"):
             return super(cls, self).partially_unload(*args, **kwargs)
 
+    def patch_weight_to_device(self, key, *args, **kwargs):
+        out = super(cls, self).patch_weight_to_device(key, *args, **kwargs)
+        comp = _component(self)
+        stored = comp.stored_dtypes.get(key) if comp is not None and comp.stored_dtypes else None
+        if stored is not None and key in self.patches:
+            return_weight = kwargs.get("return_weight", args[2] if len(args) > 2 else False)
+            out = _round_patched(self, key, stored, out if return_weight else None)
+        return out
+
     def clone(self, *args, **kwargs):
         n = super(cls, self).clone(*args, **kwargs)
         # some patchers' clone() gives the copy their own class (ComfyUI-GGUF's), which would drop this one's
@@ -265,10 +275,37 @@ def _phase_class(base: type) -> type:
     cls = type(f"LeversPhase{base.__name__}", (base,), {
         "_levers_phase_base": base, "partially_load": partially_load, "load": load,
         "unpatch_model": unpatch_model, "partially_unload": partially_unload, "clone": clone,
+        "patch_weight_to_device": patch_weight_to_device,
         "__module__": __name__,
     })
     _CLASSES[base] = cls
     return cls
+
+
+def _round_patched(patcher, key: str, stored: torch.dtype, weight: torch.Tensor | None):
+    """The patched weight ``key`` of a wider copy rounded to its ``stored`` dtype and widened back, as ComfyUI rounds
+    it without the copy (its stochastic rounding, with its seed for the key): the returned ``weight`` when given,
+    else the module's own, in place. A weight with a setter of its own (a quantized layout) is left as it is."""
+    import comfy.model_patcher
+    import comfy.utils
+
+    if weight is None:
+        current, set_func, _ = comfy.model_patcher.get_key_weight(patcher.model, key)
+        if set_func is not None or current.dtype == stored or not current.is_floating_point():
+            return None
+        comfy.utils.copy_to_param(patcher.model, key, _rounded(current, key, stored))
+        return None
+    if not isinstance(weight, torch.Tensor) or weight.dtype == stored or not weight.is_floating_point():
+        return weight
+    return _rounded(weight, key, stored)
+
+
+def _rounded(weight: torch.Tensor, key: str, stored: torch.dtype) -> torch.Tensor:
+    import comfy.float
+    import comfy.model_patcher
+
+    seed = comfy.model_patcher.string_to_seed(key)      # where every release has it (0.33 also in comfy.utils)
+    return comfy.float.stochastic_rounding(weight, stored, seed=seed).to(weight.dtype)
 
 
 def adopt_moved_masters(patcher) -> None:
@@ -869,17 +906,21 @@ def _copy_without_native_state(module: torch.nn.Module) -> torch.nn.Module:
             m.__dict__.update(state)
 
 
-def _te_kept_reason(clip, explicit: bool) -> str | None:
+def _te_kept_reason(clip) -> str | None:
     """Why the text encoder keeps its stored weights instead of a private copy at another precision, or None."""
     from ..core.residency import subclass
 
     if any(not subclass.is_plain(p) for p in clip.cond_stage_model.parameters()):
         return ("it holds quantized weights (fp8 scaled or another format): converting them would dequantize a "
                 "copy of the whole encoder; ComfyUI casts them per op")
-    if not explicit and getattr(clip.patcher, "patches", None):
-        return ("it carries LoRA patches: ComfyUI rounds a patched weight to the stored precision, and a 32-bit copy "
-                "would not (set text_encoder_precision to fp32 to have the copy anyway)")
     return None
+
+
+def _stored_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The weights of ``module`` a copy at ``dtype`` widens, by state-dict key (LoRA patch keys): their stored
+    dtype, which a patched weight is rounded to."""
+    return {k: t.dtype for k, t in module.state_dict().items()
+            if t.is_floating_point() and t.element_size() < torch.empty((), dtype=dtype).element_size()}
 
 
 # text encoder module -> {dtype: its private copy at that dtype}, while something holds the copy
@@ -1005,12 +1046,13 @@ def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, nod
         if want is None and target.type == "cpu" and have in (torch.float16, torch.bfloat16):
             want = torch.float32   # seed 002: 16-bit weights on the CPU are slow; fp32 there
         retyped = want is not None and have is not None and want != have
-        explicit = TE_PRECISIONS[settings.text_encoder_precision] is not None and not settings.precision_from_plan
-        kept = _te_kept_reason(clip, explicit) if retyped else None
+        kept = _te_kept_reason(clip) if retyped else None
         retyped = retyped and kept is None
         c = retype_text_encoder(clip, want) if retyped else clip.clone()
         _set_load_device(c.patcher, te_device)
         comp = group.add("text_encoder", c.patcher)
+        if retyped:
+            comp.stored_dtypes = _stored_dtypes(clip.cond_stage_model, want) or None
         if kept is not None:
             comp.notes.append(f"weights kept as stored, not copied to {_short(want)}: {kept}")
         elif retyped:

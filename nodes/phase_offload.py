@@ -21,7 +21,6 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
     components the plan keeps resident stay on the GPU across phases."""
     resident: tuple[str, ...] = ()
     pageable: tuple[str, ...] = ()
-    from_plan = False
     if plan is not None:
         def planned(name):
             try:
@@ -43,10 +42,10 @@ def settings_from(plan, model_device: str, text_encoder_device: str, vae_device:
         resident = tuple(str(c.name) for c in (dm, te, va) if c is not None and c.residency is Residency.RESIDENT
                          and not (c is dm and experts))
         if text_encoder_precision == "auto" and te is not None and str(te.precision) in ("fp32", "bf16", "fp16"):
-            text_encoder_precision, from_plan = str(te.precision), True
+            text_encoder_precision = str(te.precision)
     return PhaseSettings(model_device=model_device, text_encoder_device=text_encoder_device, vae_device=vae_device,
                          pin=pin, text_encoder_precision=text_encoder_precision, resident=resident,
-                         pageable=pageable, precision_from_plan=from_plan)
+                         pageable=pageable)
 
 
 class LeversPhaseOffload(io.ComfyNode):
@@ -80,10 +79,10 @@ class LeversPhaseOffload(io.ComfyNode):
                                        "on: always try; off: pageable. Failures fall back to pageable per component."),
                 io.Combo.Input("text_encoder_precision", options=["auto", "fp32", "bf16", "fp16"], default="auto",
                                tooltip="Weight dtype of the text encoder. auto keeps ComfyUI's, except 16-bit weights "
-                                       "on the CPU become fp32 (a private copy; the input CLIP is untouched), unless "
-                                       "they are quantized (fp8) or carry LoRA patches (kept as stored, so the "
-                                       "result is bit-identical). A precision set here is applied to LoRA'd weights "
-                                       "too; quantized weights are always kept."),
+                                       "on the CPU become fp32 (a private copy; the input CLIP is untouched). LoRA'd "
+                                       "weights in a wider copy are rounded to the stored precision as ComfyUI rounds "
+                                       "them, so the result is bit-identical (LoRA before or after the node); "
+                                       "quantized (fp8) weights are always kept as stored."),
                 io.Model.Input("model_2", optional=True,
                                tooltip="A second diffusion model sampled after the first (Wan 2.2 A14B: the "
                                        "low-noise expert; or a refiner). It gets its own phase, so each model holds "

@@ -466,13 +466,10 @@ def test_a_text_encoder_with_quantized_weights_is_kept_as_stored(comfy_env, tiny
             assert torch.equal(c.cond_stage_model(ids), ref)
 
 
-def test_a_text_encoder_with_lora_patches_on_the_cpu_stays_bit_identical(comfy_env, tiny_wan):
-    """Found in review: with a CLIP LoRA, the automatic fp32 copy of a 16-bit text encoder on the CPU kept the
-    patched weights unrounded where ComfyUI rounds them to the stored fp16 (max difference 4.6e-4). A CLIP carrying
-    patches keeps its precision on auto, with a note; an explicit fp32 still copies."""
+def _fp16_clip_and_lora(comfy_env):
+    """A 16-bit CPU CLIP as ComfyUI's loaders make one, a LoRA patch for it, and an input."""
     import comfy.ops
 
-    mm = comfy_env.mm
     torch.manual_seed(0)
     module = nn.Sequential(comfy.ops.manual_cast.Linear(64, 64, dtype=torch.float16))
     with torch.no_grad():
@@ -481,25 +478,41 @@ def test_a_text_encoder_with_lora_patches_on_the_cpu_stays_bit_identical(comfy_e
     module.manual_cast_dtype = None                          # what ComfyUI's text encoders carry (0.3.64 reads it)
     clip = _cpu_clip(module)
     clip.patcher.set_model_compute_dtype(torch.float32)
-    lora = clip.clone()
-    lora.add_patches({"0.weight": (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.01,)}, 0.7)
+    patch = {"0.weight": (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.01,)}
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
-    lora.load_model()
+    return module, clip, patch, x
+
+
+def _encode(comfy_env, clip, x):
+    clip.load_model()
     with torch.no_grad():
-        ref = lora.cond_stage_model(x)
-    mm.unload_all_models()
-    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu")
-    assert "weights kept as stored" in report and "LoRA" in report, report
-    c.load_model()
-    with torch.no_grad():
-        assert torch.equal(c.cond_stage_model(x), ref)
-    mm.unload_all_models()
-    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu",
-                                text_encoder_precision="fp32")
-    assert c.cond_stage_model[0].weight.dtype == torch.float32 and "weights stored as fp32" in report, report
-    # a plan's precision is the plan deciding as auto would: it keeps the LoRA'd weights as stored too
+        out = clip.cond_stage_model(x).clone()
+    comfy_env.mm.unload_all_models()
+    return out
+
+
+def test_a_text_encoder_with_lora_patches_on_the_cpu_stays_bit_identical(comfy_env, tiny_wan):
+    """Found in review: with a CLIP LoRA, the automatic fp32 copy of a 16-bit text encoder on the CPU kept the
+    patched weights unrounded where ComfyUI rounds them to the stored fp16 (max difference 4.6e-4). The copy now
+    rounds a patched weight to its stored dtype and back, as ComfyUI does without it: bit-identical, on auto, on an
+    explicit fp32 and on a plan's precision alike (before that fix the LoRA'd CLIP kept its 16-bit weights)."""
     from comfyui_levers.bridge.phase import apply
     from comfyui_levers.nodes.phase_offload import settings_from
+
+    module, clip, patch, x = _fp16_clip_and_lora(comfy_env)
+    lora = clip.clone()
+    lora.add_patches(patch, 0.7)
+    ref = _encode(comfy_env, lora, x)
+    unrounded = None
+    for precision in ("auto", "fp32"):
+        _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), lora, None, text_encoder_device="cpu",
+                                    text_encoder_precision=precision)
+        assert c.cond_stage_model[0].weight.dtype == torch.float32 and "weights stored as fp32" in report, report
+        assert torch.equal(_encode(comfy_env, c, x), ref), precision
+        if unrounded is None:     # the same copy without the rounding differs: the test can see it
+            c.patcher.attachments["levers_phase"].stored_dtypes = None
+            unrounded = _encode(comfy_env, c, x)
+            assert not torch.equal(unrounded, ref)
 
     class Plan:
         experts = 1
@@ -510,9 +523,25 @@ def test_a_text_encoder_with_lora_patches_on_the_cpu_stays_bit_identical(comfy_e
                 raise KeyError(name)
             return SimpleNamespace(device="cpu", residency=None, pin=False, precision="fp32", name=name)
     settings = settings_from(Plan(), "auto", "auto", "auto", "off", "auto")
-    assert settings.text_encoder_precision == "fp32" and settings.precision_from_plan
+    assert settings.text_encoder_precision == "fp32"
     out = apply(tiny_wan.load_model(), lora, None, settings)
-    assert out.clip.cond_stage_model is module
+    assert out.clip.cond_stage_model is not module and torch.equal(_encode(comfy_env, out.clip, x), ref)
+
+
+def test_a_clip_lora_after_the_node_is_bit_identical(comfy_env, tiny_wan):
+    """Found in review: a LoRA loader placed after the node patched the fp32 copy without the rounding to fp16
+    ComfyUI applies to the stored weights (the README says LoRA loaders go before or after the node). Clones made
+    downstream keep the copy's rounding."""
+    _, clip, patch, x = _fp16_clip_and_lora(comfy_env)
+    plain = clip.clone()
+    plain.add_patches(patch, 0.7)
+    ref = _encode(comfy_env, plain, x)
+    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
+    assert c.cond_stage_model[0].weight.dtype == torch.float32, report
+    after = c.clone()
+    after.add_patches(patch, 0.7)
+    assert torch.equal(_encode(comfy_env, after, x), ref)
+    assert torch.equal(_encode(comfy_env, c, x), _encode(comfy_env, clip, x))     # the node's own output unpatched
 
 
 def test_a_release_comfyui_copies_itself_is_counted_in_the_ledger(comfy_env, tiny_wan):
