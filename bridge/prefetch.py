@@ -656,7 +656,8 @@ class _Session:
                           decide_pin=self._pin_decider(transport, tails), adopt=old)
         if old is not None:
             old.restore(transport)
-            self.rebuilt = (store.adopted_bytes, sum(a.nbytes for a in store.arenas.values()))
+            self.rebuilt = (store.adopted_bytes, sum(a.nbytes for a in store.arenas.values()),
+                            sum(store.arenas[d].nbytes for d in store._planes))
         _STORES[self.root] = (ids, store)
         return store
 
@@ -671,7 +672,8 @@ class _Session:
         Levers holds pinned already, less the pinned masters of the weights the copy takes over (PhaseOffload's),
         and leaves out of the available RAM the weights that are a file's page cache (file mappings not written
         since; until the copy exists: the RAM read after it was built already went to it). Both are read from the
-        blocks now, before the copy takes their place."""
+        blocks when the store asks, before the copy takes their place (and after a rebuild has unpinned the old
+        copy's segments it cannot take over)."""
         req = self.state.request
         has_cuda = torch.device(transport.device).type == "cuda"
         mode = self._pin_mode()
@@ -679,27 +681,31 @@ class _Session:
             pin, why = arena_pin_decision(mode, self.streamed_bytes, has_cuda)
             why = f"{why} ({req.pin_source} pinning)" if req.pin_source else why
             return lambda nbytes, allocated: (pin, why)
-        seen: set[int] = set()
-        replaced = mapped = 0
-        maps = HostMaps.recent(max_age_s=0.0)
-        for _, block in self.streamed:
-            for t in [*block.parameters(), *block.buffers()]:
-                if id(t) in tails:
-                    continue
-                for x in _stream_tensors(t):
-                    if x.device.type != "cpu" or not x.numel() or x.data_ptr() in seen:
+        streamed = list(self.streamed)
+
+        def held_now() -> tuple[int, int]:
+            """(pinned bytes of the weights the copy replaces, their bytes that are a file's page cache)."""
+            seen: set[int] = set()
+            replaced = mapped = 0
+            maps = HostMaps.recent(max_age_s=0.0)
+            for _, block in streamed:
+                for t in [*block.parameters(), *block.buffers()]:
+                    if id(t) in tails:
                         continue
-                    seen.add(x.data_ptr())
-                    n = tensor_nbytes(x)
-                    replaced += n if pinned_by_levers(x) else 0
-                    mapped += maps.page_cache(x.data_ptr(), n)
+                    for x in _stream_tensors(t):
+                        if x.device.type != "cpu" or not x.numel() or x.data_ptr() in seen:
+                            continue
+                        seen.add(x.data_ptr())
+                        n = tensor_nbytes(x)
+                        replaced += n if pinned_by_levers(x) else 0
+                        mapped += maps.page_cache(x.data_ptr(), n)
+            return replaced, mapped
 
         def decide(nbytes: int, allocated: bool) -> tuple[bool, str]:
             # once the copy exists (a packed copy's planes, a later run's fallback), what Levers holds pinned is
-            # read as it is: masters it replaced and still pinned then are still held (and the figures taken here
-            # would be stale by a later run)
-            pin, why = arena_pin_decision(PinMode.AUTO, nbytes, True, replaced_bytes=0 if allocated else replaced,
-                                          mapped_bytes=0 if allocated else mapped)
+            # read as it is: masters it replaced and still pinned then are still held
+            replaced, mapped = (0, 0) if allocated else held_now()
+            pin, why = arena_pin_decision(PinMode.AUTO, nbytes, True, replaced_bytes=replaced, mapped_bytes=mapped)
             return pin, why if pin else f"{why}; pin = on pins it anyway (each step's copies run at pageable speed now)"
         return decide
 
@@ -762,13 +768,17 @@ class _Session:
                      f"{_gb(self.kept_extra)} more per forward than the least this budget allows (at most "
                      f"{KEEP_SLACK:.0%} more), so it is not rebuilt and re-pinned for this run's size.")
         if self.rebuilt is not None:
-            taken, total = self.rebuilt
+            taken, total, packed = self.rebuilt
             head += (f"\nhost copy rebuilt for this layout: {_gb(taken)} of its {_gb(total)} taken over where the "
                      f"last copy held it (not copied again, nor page-locked again where it was), "
                      f"{_gb(total - taken)} copied."
                      if taken else
-                     f"\nhost copy rebuilt for this layout: {_gb(total)} copied (no segment of the last copy held "
-                     f"the same blocks laid out the same).")
+                     f"\nhost copy rebuilt for this layout: {_gb(total)} copied"
+                     + (" (no segment of the last copy held the same blocks laid out the same)." if not packed
+                        else "."))
+            if packed:
+                head += (f" Its {_gb(packed)} of packed bf16 is one piece, copied again on every rebuild: the old "
+                         "and the new copy of it are both held until the new one is complete.")
         if self.unloaded_stale:
             head += f"\n{self.unloaded_stale}."
         if self.skip_reason:

@@ -538,3 +538,34 @@ def test_a_rebuilds_pin_decision_sees_only_what_stays_pinned(one_block_per_segme
     assert sum(pinned.values()) == new.pinned_bytes
     new.restore(tr)
     assert not pinned
+
+
+def test_a_rebuilds_pin_decision_does_not_count_segments_it_cannot_take_over(one_block_per_segment, monkeypatch):
+    """Found in review: a segment whose blocks all stream again stayed pinned through restore(keep), even when the
+    new copy could not take it over (a weight replaced since: ComfyUI re-patched a LoRA). At the pin decision the
+    RAM rule counted it as held by Levers (and the bridge counted only the replaced tensor in it as replaced), so
+    the rule could refuse to pin. Such a segment is now unpinned before the decision: only what will be taken over
+    is pinned when it is asked."""
+    m = make_wan(mixed=False, n=6)
+    tr, pinned, _ = _pin_counting(monkeypatch)
+    blocks = _blocks(m)
+    old = HostStore(blocks[1:], tr, decide_pin=lambda n, a: (True, "yes"))
+    arena = old.arenas[torch.float32]
+    stale = arena.segments[arena.index(old.block_range[torch.float32][2 - 1][0])]     # block 2's segment
+    old.restore(tr, keep=[b for _, b in blocks[1:]])
+    with torch.no_grad():
+        m.blocks[2].q.weight = torch.nn.Parameter(m.blocks[2].q.weight.data + 1, requires_grad=False)
+    asked = []
+
+    def decide(nbytes, allocated):
+        asked.append(dict(pinned))
+        return True, "yes"
+    new = HostStore(blocks[1:], tr, adopt=old, decide_pin=decide)
+    old.restore(tr)
+    before, = asked
+    assert stale.data_ptr() not in before
+    kept = {s.data_ptr() for s in new.arenas[torch.float32].tensors()}
+    assert set(before) <= kept and len(before) == len(blocks[1:]) - 1      # every other segment was taken over
+    assert set(pinned) == kept
+    new.restore(tr)
+    assert not pinned

@@ -326,6 +326,12 @@ class HostStore:
         self._collect(blocks)
         # a rebuild: the old store's segments this copy takes over, and those taken so far (ids; during the build)
         self._adopt = self._adoptable(adopt)
+        if adopt is not None:
+            # the old copy's pinned segments this one cannot take over (a weight replaced since, a block now split)
+            # are only copied from: unpinned before the pin decision, which would count them as held
+            taken = {id(seg) for runs in self._adopt.values() for _, seg in runs.values()}
+            for seg in [t for t in adopt._pinned_arenas if id(t) not in taken]:
+                _unpin_one(transport, seg, adopt._pinned_arenas)
         self._adopted: set[int] = set()
         self.adopted_bytes = 0
         self._old = adopt

@@ -1228,6 +1228,25 @@ def test_a_rebuild_for_more_streamed_blocks_takes_over_the_old_copy_in_place(com
     assert st.last_stats["host_copy_adopted_bytes"] == sum(segments.values())
     assert "0.0 MiB copied" in st.last_report, st.last_report
     comfy_env.mm.unload_all_models()
+
+
+def test_a_packed_rebuild_says_its_bf16_copy_is_copied_again(comfy_env, tiny_wan, monkeypatch):
+    """Found in review: a packed store's bf16 copy is one piece (packing works on the whole arena), so a rebuild
+    copies it again and holds the old and the new one until the new one is complete; the report said no segment of
+    the last copy held the same blocks, which was false. It now says what a packed rebuild does."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "unet_dtype", lambda *a, **k: torch.bfloat16)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    for resident in (1, 0):
+        comfy_env.mm.unload_all_models()
+        clone, _, st = _prefetch(comfy_env, model, resident_groups=resident, packed_bf16=True)
+        assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert st.last_stats["packed"] and "host copy rebuilt for this layout" in st.last_report, st.last_report
+    assert "of packed bf16 is one piece, copied again on every rebuild" in st.last_report, st.last_report
+    assert "no segment of the last copy" not in st.last_report, st.last_report
+    comfy_env.mm.unload_all_models()
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)
 
 
