@@ -638,8 +638,11 @@ def channel_mismatch(error: BaseException, vae, samples: torch.Tensor) -> Config
                        _MISMATCH_HINT)
 
 
-def _plan_line(plan, width: int, height: int, frames: int) -> str:
-    """What a connected Recommend plan predicted for the decode, and whether it was made for this decode's size.
+def _plan_line(plan, size: tuple[int, int, int],
+               decoded: Callable[[int, int, int], tuple[int, int, int]]) -> str:
+    """What a connected Recommend plan predicted for the decode, and whether it was made for this decode's size
+    (width, height, frames; ``decoded`` maps the size a plan was made for to what its latent decodes to: whole
+    latent cells, the VAE's frame rule).
 
     Recommend sizes tiles from a formula before anything runs; this node measures the VAE itself and picks exact
     overlaps, the layered decode or the least-work tiles, so the plan's sizes are only reported. A plan made for
@@ -659,11 +662,11 @@ def _plan_line(plan, width: int, height: int, frames: int) -> str:
         planned = (int(work["width"]), int(work["height"]), int(work.get("frames", 1) or 1))
     except (KeyError, TypeError, ValueError):
         return line
-    if planned != (width, height, frames):
-        def size(w: int, h: int, f: int) -> str:
+    if decoded(*planned) != size:
+        def text(w: int, h: int, f: int) -> str:
             return f"{w}x{h}" + (f", {f} frames" if f > 1 else "")
-        line += (f". The plan was made for {size(*planned)}; this latent decodes to {size(width, height, frames)}, "
-                 "so its prediction is for another decode (run Recommend with this size for a matching plan)")
+        line += (f". The plan was made for {text(*planned)}; this latent decodes to {text(*size)}, so its "
+                 "prediction is for another decode (run Recommend with this size for a matching plan)")
     return line
 
 
@@ -675,20 +678,27 @@ def _fallback_side(s: int, budget: float, cost: DecodeCost) -> int:
 
 
 def _user_tile_over_budget(plan: TilePlan, budget: int, settings: TiledDecodeSettings, rep: DecodeReport, s: int,
-                           plan_for: Callable[[int], TilePlan]) -> None:
+                           plan_for: Callable[[int | None], TilePlan], longest: int) -> None:
     """A ``tile_size`` set on the node whose tiles are predicted over the budget: with a ``memory_budget_gb`` set
     too, an error naming both fixes (the budget it needs, the largest tile that fits); on the free memory, a
-    warning in the report (the user's tiles run: the prediction may be pessimistic)."""
+    warning in the report (the user's tiles run: the prediction may be pessimistic). ``longest``: the frame's long
+    side in latent px (a tile between the short and the long side cuts the long axis only)."""
     fits = None
-    for k in range(min(plan.tile) - 1, 0, -1):
+    for k in range(min(settings.tile_size // s, longest) - 1, 0, -1):
         try:
             if plan_for(k).predicted_peak_bytes <= budget:
                 fits = k
                 break
         except ConfigError:            # the overlap no longer fits inside a tile this small
             break
-    advice = (f"set tile_size to {fits * s} px or less" if fits else
-              "set tile_size to 0 (the node then plans the decode: layered, exact tiles or chunks)")
+    if fits:
+        advice = f"set tile_size to {fits * s} px or less"
+    else:
+        try:
+            plan_for(None)
+            advice = "set tile_size to 0 (the node then plans the decode: layered, exact tiles or chunks)"
+        except BudgetExceeded:
+            advice = "free memory (no tile size fits this budget, nor does the node's own plan)"
     need = plan.predicted_peak_bytes
     if settings.memory_budget_gb > 0:
         raise BudgetExceeded(need, budget, "VAE decode (tile_size given)",
@@ -727,9 +737,16 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     # smaller one would become 0, hard seams)
     tile_lat = tile // s if tile else None
     overlap_lat = -(-overlap // s) if overlap else None
+    # a tile covering the frame asks for no tiles: the node plans as on auto (layered, deeper stem, streaming)
+    tiles_asked = tile_lat is not None and not (tile_lat >= samples.shape[-2] and tile_lat >= samples.shape[-1])
     if plan is not None:
-        rep.add(_plan_line(plan, samples.shape[-1] * s, samples.shape[-2] * s,
-                           _out_frames(vae, samples.shape[2]) if video else 1))
+        t_step = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
+
+        def decoded(w: int, h: int, f: int) -> tuple[int, int, int]:
+            """What a latent made for w x h x f (as ComfyUI's latent nodes make it) decodes to."""
+            return w // s * s, h // s * s, _out_frames(vae, (f - 1) // t_step + 1) if video else 1
+        rep.add(_plan_line(plan, (samples.shape[-1] * s, samples.shape[-2] * s,
+                                  _out_frames(vae, samples.shape[2]) if video else 1), decoded))
     t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
     streams = video and staged is not None and bool(staged.time_units)
@@ -750,12 +767,12 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         staged, own, streams, all_frames = None, False, False, False
         cost, halo_px, method = measure_cost(vae, None, samples)
     frame_px = samples.shape[-2] * samples.shape[-1] * s * s
-    if not tile and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
+    if not tiles_asked and layered_supported(staged, samples) and cost.whole_bytes_per_px * frame_px > budget:
         cost = dataclasses.replace(cost, layered_bytes_per_px=measure_layered(vae, staged, samples))
     units: list[TimeUnit] = []
     n_out = _out_frames(vae, samples.shape[2]) if video else 1
     whole_need = samples.shape[0] * (cost.whole_bytes_per_px + cost.output_bytes_per_px * n_out) * frame_px
-    if streams and not tile and (chunk_frames is not None or whole_need > budget):
+    if streams and not tiles_asked and (chunk_frames is not None or whole_need > budget):
         units, base, per_frame, problem = measure_stream(vae, staged, samples)
         if problem:
             rep.add(f"no streamed temporal chunks: {problem}")
@@ -776,7 +793,10 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         """The plan with tiles of ``tile_latent`` latent px (None: the planner's own)."""
         return plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
                            tile=tile_latent, overlap=overlap_lat,
-                           chunk_frames=chunk_frames, spatial_supported=staged is not None,
+                           # a decoder that runs every frame of a tile in one call (no carried state): its tile
+                           # cost is the whole video's already, and temporal_size does not apply (reported below)
+                           chunk_frames=None if all_frames and not own and not units else chunk_frames,
+                           spatial_supported=staged is not None,
                            temporal_supported=staged is not None and (staged.causal or staged.streamed or
                                                                       bool(units)),
                            out_frames=_out_frames(vae, samples.shape[2]) if video else None,
@@ -796,8 +816,10 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             # free memory. Fail soft, as ComfyUI's VAEDecode does on OOM: ComfyUI's own tiled decode, whose tiles
             # run the whole decoder (no stem), sized from the measured cost per pixel; its seams are blended.
             side = _fallback_side(s, budget, cost)
+            # its peak: one tile of the whole decoder at the measured cost (Levers' smallest plan's need is in the
+            # reason; it is not this decode's)
             plan = TilePlan("comfy_tiled", 1, (side // s, side // s), max(1, side // 4 // s), None,
-                            exc.needed_bytes, budget,
+                            int(cost.whole_bytes_per_px * side * side), budget,
                             f"Levers' smallest exact plan does not fit the free memory ({exc}); ComfyUI's own tiled "
                             f"decode instead, {side}px tiles sized from the measured cost (blended seams, not exact)",
                             exact=False)
@@ -810,9 +832,9 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                             "stands aside: ComfyUI's own decode, which falls back to its tiled decode on "
                             "out-of-memory", exact=True)
             rep.add("standing aside: ComfyUI's own VAE decode (it retries with VAEDecodeTiled's method on OOM)")
-    if tile and plan.mode == "spatial" and plan.predicted_peak_bytes > budget:
-        _user_tile_over_budget(plan, budget, settings, rep, s, plan_at)
-    if plan.mode == "spatial" and not tile and not video:
+    if tiles_asked and plan.mode == "spatial" and plan.predicted_peak_bytes > budget:
+        _user_tile_over_budget(plan, budget, settings, rep, s, plan_at, max(samples.shape[-2:]))
+    if plan.mode == "spatial" and not tiles_asked and not video:
         default_norms, default_halo = len(staged.tail_norms), halo_px
         for alt, scale_label in deeper_stems(vae, staged):
             try:

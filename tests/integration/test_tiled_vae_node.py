@@ -172,6 +172,9 @@ def test_a_plan_made_for_another_size_is_named_in_the_report(comfy_env, kl_vae):
     _, report = run_node(comfy_env, latent, kl_vae, plan=plan_for(192, 192))
     assert "plan (Recommend) predicted the whole decode, peak 1.50 GiB" in report, report
     assert "The plan was made for" not in report, report
+    # a size that is not whole latent cells is what ComfyUI's latent nodes round down (found in review)
+    _, report = run_node(comfy_env, latent, kl_vae, plan=plan_for(199, 197))
+    assert "The plan was made for" not in report, report
     _, report = run_node(comfy_env, latent, kl_vae, plan=plan_for(1024, 1024))
     assert ("The plan was made for 1024x1024; this latent decodes to 192x192, so its prediction is for another "
             "decode") in report, report
@@ -983,3 +986,74 @@ def test_ltx_streamed_chunks_fit_the_budget_they_were_planned_for(comfy_env):
     print(f"\nLTX streamed, 9 latent frames: {p:.1f} dB, chunk {chunk}, peak {peak.peak_bytes / 2 ** 20:.1f} MiB, predicted "
           f"{predicted / 2 ** 20:.1f} MiB, whole decode {whole.peak_bytes / 2 ** 20:.1f} MiB")
     assert peak.peak_bytes <= predicted <= budget < whole.peak_bytes
+
+
+def _plan_line(report: str) -> str:
+    return report.split("plan: ")[1].split("\n")[0]
+
+
+def test_a_tile_size_covering_the_frame_plans_as_auto(comfy_env, kl_vae):
+    """Found in review: a tile_size covering the whole frame (4096, the node's maximum) asks for no tiles, and the
+    planner plans as on auto; but the layered decode was only measured without a tile_size, so the user got tiles
+    with estimated statistics (29 dB) where auto decodes layered (exact)."""
+    latent = {"samples": smooth_latent((1, 16, 13, 21), 3)}
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    auto, auto_report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.008, unload_other_models=False)
+    assert "mode=layered" in _plan_line(auto_report), auto_report
+    ours, report = run_node(comfy_env, latent, kl_vae, tile_size=4096, memory_budget_gb=0.008,
+                            unload_other_models=False)
+    assert "mode=layered" in _plan_line(report) and "tile_size covers the whole" in report, report
+    assert torch.equal(ours, auto) and psnr(ours, ref) > 80
+
+
+def test_the_largest_tile_that_fits_is_searched_along_the_long_side(comfy_env, kl_vae):
+    """Found in review: on a wide frame, the search for the largest tile_size within a budget started at the short
+    side, so it named a tile far smaller than the one that fits (40 px where about 240 px fits)."""
+    from comfyui_levers.core.errors import BudgetExceeded
+
+    latent = {"samples": smooth_latent((1, 16, 6, 60), 5)}        # 48x480 px
+    peaks = {}
+    for k in (40, 240, 320):
+        _, r = run_node(comfy_env, latent, kl_vae, tile_size=k, unload_other_models=False)
+        peaks[k] = float(r.split("predicted peak=")[1].split(" ")[0])
+    assert peaks[40] < peaks[240] < peaks[320], peaks
+    budget = (peaks[240] + peaks[320]) / 2
+    with pytest.raises(BudgetExceeded) as err:
+        run_node(comfy_env, latent, kl_vae, tile_size=320, memory_budget_gb=budget, unload_other_models=False)
+    fits = int(re.search(r"set tile_size to (\d+) px or less", str(err.value)).group(1))
+    assert 240 <= fits < 320, str(err.value)
+    _, r = run_node(comfy_env, latent, kl_vae, tile_size=fits, memory_budget_gb=budget, unload_other_models=False)
+    assert "mode=spatial" in r, r
+
+
+def test_a_fallback_reports_its_own_predicted_peak(comfy_env, kl_vae, monkeypatch):
+    """Found in review: the fallback to VAEDecodeTiled reported Levers' smallest plan's need (known not to fit) as
+    the fallback's predicted peak. It reports one tile of the whole decoder at the measured cost, and the plan it
+    replaces in its reason."""
+    from comfyui_levers.bridge import vae as bv
+
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 13)}
+    monkeypatch.setattr(bv, "budget_bytes", lambda vae, settings: (200_000, "budget 90% of free memory (test)"))
+    _, report = run_node(comfy_env, latent, kl_vae)
+    line = _plan_line(report)
+    assert "mode=comfy_tiled" in line, report
+    side = int(re.search(r"tile=(\d+)x", line).group(1))
+    whole_bpp = float(re.search(r"whole decode (\d+) B/px", report).group(1))
+    predicted = float(re.search(r"predicted peak=([\d.]+) GiB", line).group(1))
+    assert predicted == pytest.approx(whole_bpp * side * side / 1024 ** 3, abs=6e-4), report
+    assert "Levers' smallest exact plan does not fit" in report
+
+
+def test_temporal_size_an_all_frames_decoder_ignores_does_not_change_its_tiles(comfy_env):
+    """Found in review: on a decoder that runs every frame of a tile in one call (its tile cost is the whole video's
+    already), a temporal_size the report calls ignored still multiplied the tile cost: smaller tiles, or an error
+    that the budget was too small. The plan is now the same with and without it."""
+    vae = _without_decode_noise(ltx_vae(False))
+    latent = {"samples": smooth_latent((1, 128, 5, 4, 16), 9)}
+    plans = {}
+    for ts in (0, 32):
+        _, report = run_node(comfy_env, latent, vae, tile_size=256, temporal_size=ts, memory_budget_gb=0.045)
+        plans[ts] = _plan_line(report)
+        if "each tile decodes all frames in one call" not in report:
+            pytest.skip("this ComfyUI's LTX decoder does not run the frames of a tile in one call")
+    assert "mode=spatial" in plans[0] and plans[32] == plans[0], plans
