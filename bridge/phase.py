@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -1013,9 +1014,21 @@ def apply(model, clip=None, vae=None, settings: PhaseSettings | None = None, nod
     per-phase ledger is shown on that node."""
     settings = settings or PhaseSettings()
     require_model(model)
+    two_experts = False
     if model_2 is not None:
         require_model(model_2, "model_2")
+        two_experts = model_2.model is not model.model
+    resident_dit_dropped = two_experts and "diffusion_model" in settings.resident
+    if resident_dit_dropped:
+        # a plan made for one diffusion model kept it on the GPU across phases; with a second one the experts take
+        # turns, or both would be on the GPU while the second samples
+        settings = dataclasses.replace(settings, resident=tuple(n for n in settings.resident
+                                                                if n != "diffusion_model"))
     group = PhaseGroup(settings, node_id=None if node_id is None else str(node_id))
+    if resident_dit_dropped:
+        group.notes.append("the plan keeps the diffusion model on the GPU across phases, but it was made for one "
+                           "diffusion model and model_2 is connected: the two take turns on the GPU instead (run "
+                           "Recommend for the two-expert model for a plan that counts both)")
     _LIVE.add(group)
     mm = _mm()
 

@@ -106,6 +106,30 @@ def test_phase_offload_gives_each_expert_the_device_alone_bit_identical(comfy_en
     assert torch.equal(_sample(comfy_env, tiny_wan, high_in, low_in)["samples"], ref)
 
 
+def test_a_plan_keeping_one_diffusion_model_resident_lets_two_experts_take_turns(comfy_env, tiny_wan, experts):
+    """Found in review: a plan made for one diffusion model may keep it on the GPU across phases; with model_2
+    connected, the first expert was then never released and both were on the GPU while the second sampled. The
+    experts take turns instead, with a note saying why."""
+    from comfyui_levers.bridge.phase import PhaseSettings, apply
+
+    load_high, load_low = experts
+    ref = _sample(comfy_env, tiny_wan, load_high(), load_low())["samples"]
+    comfy_env.mm.unload_all_models()
+    out = apply(load_high(), None, tiny_wan.load_vae(), PhaseSettings(resident=("diffusion_model",)),
+                model_2=load_low())
+    assert any("model_2 is connected: the two take turns" in n for n in out.group.notes), out.group.notes
+    pos, neg = tiny_wan.cond(0)
+    ks = comfy_env.nodes.KSamplerAdvanced()
+    mid = ks.sample(out.model, "enable", 0, STEPS, 3.5, "euler", "simple", pos, neg, tiny_wan.empty_latent(), 0,
+                    SWITCH, "enable")[0]
+    assert _loaded(comfy_env, out.model)
+    latent = ks.sample(out.model_2, "disable", 0, STEPS, 3.5, "euler", "simple", pos, neg, mid, SWITCH, 10000,
+                       "disable")[0]
+    assert _loaded(comfy_env, out.model_2) and not _loaded(comfy_env, out.model)
+    assert torch.equal(latent["samples"], ref)
+    comfy_env.mm.unload_all_models()
+
+
 def test_group_prefetch_on_each_expert_after_phase_offload(comfy_env, tiny_wan, experts):
     """The shipped Wan 2.2 layout: PhaseOffload (model, model_2) then a GroupPrefetch on each expert. Each streams
     its own blocks (its own host arena), the other expert is released, output bit-identical."""
