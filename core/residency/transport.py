@@ -338,6 +338,13 @@ _MAPS: tuple[float, "HostMaps"] | None = None
 READ_ONLY_REASON = "read-only memory (a file mapped read-only: GGUF, or ComfyUI's memory-mapped loader)"
 
 
+def _page_cache_path(path: str) -> bool:
+    """Whether a mapping of ``path`` (the last field of a maps line) is a file's page cache, which the OS counts as
+    available RAM. Not shared memory (``/dev/shm``, memfd, System V: swap-backed, not reclaimable like page cache),
+    nor device memory (``/dev/nvidia*``, where drivers map pinned host buffers)."""
+    return path.startswith("/") and not path.startswith(("/dev/", "/memfd:", "/SYSV"))
+
+
 class HostMaps:
     """This process's memory mappings: whether each is writable, and which are backed by a file (Linux
     ``/proc/self/maps``).
@@ -372,7 +379,7 @@ class HostMaps:
             lo, hi = parts[0].split("-", 1)
             start = int(lo, 16)
             spans.append((start, int(hi, 16), "w" in parts[1]))
-            if len(parts) >= 5 and parts[4] != "0":                   # an inode: the mapping is of a file
+            if len(parts) >= 6 and parts[4] != "0" and _page_cache_path(parts[5]):
                 files[start] = (parts[1][3:4] == "p", -1)
         smaps = smaps_path or (path[:-len("maps")] + "smaps" if path.endswith("maps") else "")
         return cls(sorted(spans), files, smaps)
