@@ -739,15 +739,13 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
     overlap_lat = -(-overlap // s) if overlap else None
     # a tile covering the frame asks for no tiles: the node plans as on auto (layered, deeper stem, streaming)
     tiles_asked = tile_lat is not None and not (tile_lat >= samples.shape[-2] and tile_lat >= samples.shape[-1])
+    t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     if plan is not None:
-        t_step = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
-
         def decoded(w: int, h: int, f: int) -> tuple[int, int, int]:
             """What a latent made for w x h x f (as ComfyUI's latent nodes make it) decodes to."""
-            return w // s * s, h // s * s, _out_frames(vae, (f - 1) // t_step + 1) if video else 1
+            return w // s * s, h // s * s, _out_frames(vae, (f - 1) // t_compress + 1) if video else 1
         rep.add(_plan_line(plan, (samples.shape[-1] * s, samples.shape[-2] * s,
                                   _out_frames(vae, samples.shape[2]) if video else 1), decoded))
-    t_compress = max(1, round(_out_frames(vae, 64) / 64)) if video else 1
     own = video and staged is not None and staged.streamed
     streams = video and staged is not None and bool(staged.time_units)
     all_frames = video and staged is not None and (staged.streamed or staged.whole_frames)
@@ -843,6 +841,14 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                                        overlap=overlap_lat)
             except BudgetExceeded:
                 continue
+            except Exception as e:
+                if isinstance(e, mm.InterruptProcessingException):
+                    raise
+                # a variant whose deeper split Levers misreads: the default split, already planned, decodes it
+                log.warning("levers: probing a deeper split of %s failed", type(vae.first_stage_model).__name__,
+                            exc_info=True)
+                rep.add(f"deeper stem at {scale_label} skipped: its probe failed ({type(e).__name__}: {e})")
+                continue
             if alt_plan.mode != "spatial":
                 continue
             staged, cost, halo_px, plan = alt, alt_cost, alt_halo, alt_plan
@@ -866,6 +872,11 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         rep.add(f"streamed through time: {len(units)} time units keep their context frames (radius "
                 + "/".join(str(u.radius) for u in units[:1] + units[-1:]) + " frames at the first/last unit; the last "
                 f"output frame of a chunk waits for {stream_latency(units):.1f} latent frames after it)")
+    if video and tsize and own and plan.mode in ("spatial", "temporal") \
+            and max(1, tsize // t_compress) != staged.own_chunk_frames:
+        rep.add(f"temporal_size {tsize} not used: this decoder walks the frames in its own chunks "
+                f"({staged.own_chunk_frames} latent frames, carrying its causal state), which a different chunking "
+                "would cut")
     if video and tsize and staged is not None and staged.whole_frames and not (plan.mode == "temporal" and units):
         rep.add("temporal_size ignored: this decoder carries no causal state between calls, so each tile decodes "
                 "all frames in one call" + (" (the decoder chunks time itself)" if chunks_time_itself(vae) else ""))

@@ -512,6 +512,11 @@ def test_hunyuan_temporal_chunks_are_its_own_calls_and_exact(comfy_env, request,
     assert label in report and "mode=temporal" in report and "own calls" in report, report
     assert ours.shape == ref.shape == out_shape
     assert torch.equal(ours, ref)          # the decoder's own chunks, its outputs moved as they come
+    assert "not used" not in report, report  # 8 frames are its own chunk of 2 latent frames
+    # another temporal_size cannot be honoured: the report says so (it was dropped silently, found in review)
+    other, report = run_node(comfy_env, latent, vae, temporal_size=4, memory_budget_gb=64)
+    assert "temporal_size 4 not used: this decoder walks the frames in its own chunks" in report, report
+    assert torch.equal(other, ref)
 
 
 def test_hunyuan_spatial_tiles_beat_vaedecodetiled(comfy_env, hunyuan_vae):
@@ -1057,3 +1062,23 @@ def test_temporal_size_an_all_frames_decoder_ignores_does_not_change_its_tiles(c
         if "each tile decodes all frames in one call" not in report:
             pytest.skip("this ComfyUI's LTX decoder does not run the frames of a tile in one call")
     assert "mode=spatial" in plans[0] and plans[32] == plans[0], plans
+
+
+def test_a_deeper_stem_whose_probe_fails_is_skipped(comfy_env, kl_vae, monkeypatch):
+    """Found in review: an unexpected error in the deeper stem's probe failed the whole decode, where a failed probe
+    of the default split stands aside. The deeper stem is skipped with a line, and the default split decodes."""
+    from comfyui_levers.bridge import vae as bridge_vae
+
+    latent = {"samples": smooth_latent((1, 16, 40, 40), 2)}
+    original = bridge_vae.measure_cost
+
+    def measure(vae, staged, samples, whole_bpp=None):
+        if whole_bpp is not None:                 # only a deeper stem's probe reuses the whole decode's cost
+            raise RuntimeError("a variant the split misreads")
+        return original(vae, staged, samples)
+    monkeypatch.setattr(bridge_vae, "measure_cost", measure)
+    ours, report = run_node(comfy_env, latent, kl_vae, memory_budget_gb=0.042)
+    assert "mode=spatial" in _plan_line(report) and "deeper stem at" in report, report
+    assert "skipped: its probe failed (RuntimeError: a variant the split misreads)" in report, report
+    ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
+    assert psnr(ours, ref) >= 30
