@@ -628,7 +628,10 @@ class PhaseGroup:
         self._finalizers: list[weakref.finalize] = []
 
     def store_for(self, transport) -> PinnedStore:
-        key = transport.name
+        """The pinned store of ``transport``'s device: one per device, so each store's synchronize (before it
+        unregisters a range a copy may still read) waits on the streams that copy from it (components on two GPUs
+        shared one store, which waited on the first GPU's streams only). Ranges two stores pin are shared by count."""
+        key = f"{transport.name}:{transport.device}"
         if key not in self._stores:
             pageable = set(self.settings.pageable) | ({"diffusion_model_2"} if "diffusion_model" in
                                                       self.settings.pageable else set())

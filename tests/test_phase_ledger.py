@@ -256,3 +256,17 @@ def test_master_bytes_count_wrapped_weights():
     table.capture()
     assert len(table.wrapped) == 3 and len(table.masters) == 3          # the fp8 weights and the plain biases
     assert P._master_bytes(table) == 3 * (64 * 64 + 4) + 3 * 64 * 4
+
+
+def test_components_on_two_gpus_get_a_pinned_store_each():
+    """Found in review: the pinned stores were keyed by the transport's kind, so components on cuda:0 and cuda:1
+    shared one store, whose synchronize before unregistering a range waited on cuda:0's streams only."""
+    group = P.PhaseGroup(P.PhaseSettings(pin="off"))
+
+    def transport(index):
+        return SimpleNamespace(name="cuda", device=torch.device("cuda", index), synchronize=lambda: None,
+                               unpin=lambda t: None)
+    t0, t1, again = transport(0), transport(1), transport(0)
+    s0, s1 = group.store_for(t0), group.store_for(t1)
+    assert s0 is not s1 and s0.transport is t0 and s1.transport is t1
+    assert group.store_for(again) is s0
