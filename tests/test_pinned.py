@@ -220,6 +220,22 @@ def test_restage_unpins_masters_that_are_gone():
     assert tr.unpinned == [first[1].host.data_ptr()] and len(tr.pinned) == 3
 
 
+def test_a_restage_the_ram_rule_refuses_says_the_component_is_part_pinned(monkeypatch):
+    """Found in review: a re-stage (a LoRA patched since) keeps the component's unchanged pinned ranges; when the RAM
+    rule then refused the new masters, the outcome said "pageable" while most masters stayed page-locked."""
+    first = _groups(2)
+    need = sum(g.nbytes for g in first)
+    ram = [64 * need]
+    monkeypatch.setattr(pinned, "host_memory", lambda: (ram[0], 128 * GIB))
+    tr = PinningTransport()
+    store = PinnedStore(tr, "auto", os_name="linux", has_cuda=True)
+    assert store.pin_component("dit", first).pinned
+    ram[0] = need                                # RAM got short since
+    out = store.pin_component("dit", [first[0]] + _groups(1))
+    assert not out.pinned and out.reason.startswith("part pinned: ") and "new ones are pageable" in out.reason, out
+    assert tr.unpinned == [first[1].host.data_ptr()] and store.pinned_bytes == first[0].nbytes
+
+
 def test_pin_mode_parse_names_the_field():
     assert PinMode.parse("ON") is PinMode.ON
     with pytest.raises(ValueError, match="pin"):

@@ -294,6 +294,13 @@ class PinnedStore:
         # the RAM rule sees the available RAM without them
         copies = sum(groups[i].nbytes for i in read_only)     # a sparse group copies its views only
         outcome = self._decide(component, need, total, already, bool(ours or shared), copies)
+        if outcome is not None and not outcome.pinned and ours:
+            # a re-stage whose new masters the rule refuses: the ranges pinned before stay pinned (the rule let them
+            # be), and the outcome says the component is part pinned instead of calling it all pageable
+            kept = sum(tensor_nbytes(p) for p in ours)
+            outcome = replace(outcome, reason=f"part pinned: {kept / GIB:.2f} GiB of its masters stay page-locked "
+                                              f"from before, the {need / GIB:.2f} GiB of new ones are "
+                                              f"{outcome.reason}")
         if outcome is not None and not (outcome.pinned and shared):
             self.outcomes[component] = outcome
             return outcome
