@@ -670,6 +670,16 @@ def _plan_line(plan, size: tuple[int, int, int],
     return line
 
 
+def _comfy_tiled(vae, samples: torch.Tensor, side: int) -> torch.Tensor:
+    """ComfyUI's VAEDecodeTiled exactly as it runs there, ``side`` px tiles overlapping by a quarter. A video decodes
+    in its smallest temporal tiles (8 frames, 4 overlapping): this runs when even Levers' smallest plan did not fit,
+    and its default 64-frame tiles would need far more than the per-frame cost the side was sized from."""
+    import nodes as comfy_nodes      # ComfyUI's own node module
+
+    frames, frame_overlap = (8, 4) if samples.ndim == 5 else (64, 8)
+    return comfy_nodes.VAEDecodeTiled().decode(vae, {"samples": samples}, side, side // 4, frames, frame_overlap)[0]
+
+
 def _fallback_side(s: int, budget: float, cost: DecodeCost) -> int:
     """ComfyUI's VAEDecodeTiled tile side (output px) for a fallback, from the measured cost per pixel. At least 4
     latent px: its tiles overlap by a quarter, and a 32x VAE (LTX) cannot pad the 1-px edge tile that 2-px tiles
@@ -907,9 +917,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
 
     def run():
         if plan.mode == "comfy_tiled":
-            import nodes as comfy_nodes      # ComfyUI's own node module: VAEDecodeTiled exactly as it runs there
-            side = plan.tile[0] * s
-            return comfy_nodes.VAEDecodeTiled().decode(vae, {"samples": samples}, side, side // 4, 64, 8)[0]
+            return _comfy_tiled(vae, samples, plan.tile[0] * s)
         if plan.mode == "whole":
             outs = []
             for i in range(0, samples.shape[0], plan.batch_per_pass):
@@ -950,12 +958,11 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
         fell_back.append(oom)
         # outside the except block: the exception's frames (and the tensors they hold) are gone
         mm.soft_empty_cache()
-        import nodes as comfy_nodes
         side = _fallback_side(s, budget, cost)
         rep.add(f"fallback: out of memory in the {plan.mode} decode ({oom}; predicted "
                 f"{plan.predicted_peak_bytes / GIB:.3f} GiB): ComfyUI's VAEDecodeTiled instead, {side}px tiles "
                 "(blended seams, not exact)")
-        return comfy_nodes.VAEDecodeTiled().decode(vae, {"samples": samples}, side, side // 4, 64, 8)[0]
+        return _comfy_tiled(vae, samples, side)
 
     images, peak = measure_peak_bytes(attempt, dev) if dev.type == "cuda" else (attempt(), None)
     elapsed = time.perf_counter() - t0

@@ -1082,3 +1082,24 @@ def test_a_deeper_stem_whose_probe_fails_is_skipped(comfy_env, kl_vae, monkeypat
     assert "skipped: its probe failed (RuntimeError: a variant the split misreads)" in report, report
     ref = comfy_env.nodes.VAEDecode().decode(kl_vae, latent)[0]
     assert psnr(ours, ref) >= 30
+
+
+def test_a_video_fallback_runs_comfyuis_smallest_temporal_tiles(comfy_env, wan_vae, monkeypatch):
+    """Found in review: the fallback to VAEDecodeTiled, sized from the per-frame cost, ran its default 64-frame
+    temporal tiles on a video, which could need many times the budget. It runs the smallest (8 frames, 4
+    overlapping); images keep the defaults."""
+    from comfyui_levers.bridge import vae as bridge_vae
+    import nodes as comfy_nodes
+
+    calls = []
+    original = comfy_nodes.VAEDecodeTiled.decode
+
+    def spy(self, vae, samples, tile_size, overlap, temporal_size, temporal_overlap):
+        calls.append((temporal_size, temporal_overlap))
+        return original(self, vae, samples, tile_size, overlap, temporal_size, temporal_overlap)
+    monkeypatch.setattr(comfy_nodes.VAEDecodeTiled, "decode", spy)
+    monkeypatch.setattr(bridge_vae, "budget_bytes", lambda vae, settings: (20_000, "budget 90% of free memory (test)"))
+    latent = {"samples": smooth_latent((1, 16, 3, 8, 8), 4)}
+    img, report = run_node(comfy_env, latent, wan_vae)
+    assert "mode=comfy_tiled" in _plan_line(report) and calls == [(8, 4)], (calls, report)
+    assert img.shape[0] == 9
