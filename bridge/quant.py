@@ -25,6 +25,7 @@ from ..core.quant.linear import CODE_DTYPES, QuantLinear, clone_module_tree, is_
 from ..core.quant.registry import Granularity, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
 from ..core.residency.subclass import is_plain
 from ..core.types import Precision
+from .comfy_mode import unload_entries_of
 from .inputs import require_model
 
 log = logging.getLogger("levers")
@@ -318,10 +319,17 @@ def held_config(dm) -> tuple[QuantConfig | None, str]:
 
 
 def _native_qweight(m) -> QuantizedWeight | None:
-    """QuantizedWeight view of a ComfyUI native fp8 layer (comfy-kitchen QuantizedTensor)."""
+    """QuantizedWeight view of a ComfyUI native fp8 e4m3fn per-tensor layer (comfy-kitchen QuantizedTensor); None
+    for its other layouts (e5m2, int8 tensorwise, nvfp4, mxfp8: other codes, block scales), which a file labelled
+    e4m3fn per tensor would make the stock loader read silently wrong."""
     w = m.weight
     qdata, params = getattr(w, "_qdata", None), getattr(w, "_params", None)
     if qdata is None or params is None:
+        return None
+    scale = getattr(params, "scale", None)
+    if (getattr(m, "quant_format", "float8_e4m3fn") != "float8_e4m3fn" or qdata.dtype != torch.float8_e4m3fn
+            or not isinstance(scale, torch.Tensor) or scale.numel() != 1
+            or getattr(params, "block_scale", None) is not None):
         return None
     return QuantizedWeight(Precision.FP8_E4M3FN, Granularity.PER_TENSOR, 64, tuple(qdata.shape),
                            {"weight": qdata, "weight_scale": params.scale.float().reshape(())})
@@ -684,6 +692,9 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
                 log.warning("levers: QuantizeDiT %s", line)
                 return new, f"{text}\n{line}"
             text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
+        # the quality check (or an earlier run) loaded it through ComfyUI, which merged the patcher's LoRA into the
+        # weights: unloaded first, so the file holds the base weights its report promises
+        unload_entries_of(new.model)
         save_quantized(new, path, held, report.arch)
         loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held) else
                     "nf4 in bitsandbytes' layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion "

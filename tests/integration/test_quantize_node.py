@@ -236,6 +236,37 @@ def test_a_lora_on_the_input_is_named_as_not_in_the_saved_file(node, tiny_wan, b
     os.unlink(path)
 
 
+@pytest.mark.parametrize("granularity", ["per_row", "auto"])
+def test_the_quality_check_does_not_merge_the_inputs_lora_into_the_saved_file(node, tiny_wan, base, comfy_env,
+                                                                              granularity):
+    """Found in review: the quality check (on by default) loads the quantized model through ComfyUI, which merged
+    the input's LoRA into its codes and scales; the file saved after it held base + LoRA while the report said the
+    LoRA was not in it (a user following the advice applied it twice). The model is unloaded before the save: the
+    file equals the one saved from the model without the LoRA."""
+    import comfy.sd
+    from safetensors.torch import load_file
+
+    model, _ = base
+    with_lora = comfy.sd.load_lora_for_models(model, None, _tiny_lora(model), 1.0, 0.0)[0]
+    folder = os.path.join(comfy_env.models_dir, "diffusion_models")
+    files = {}
+    for name, m in (("plain", model), ("lora", with_lora)):
+        files[name] = os.path.join(folder, f"levers_test_lora_qc_{granularity}_{name}.safetensors")
+        if os.path.exists(files[name]):
+            os.unlink(files[name])
+        _, report = run(node, m, format="fp8_e4m3fn", granularity=granularity, save_path=files[name],
+                        quality_check=True)
+        assert "quality" in report, report
+    plain, lora = load_file(files["plain"]), load_file(files["lora"])
+    assert plain.keys() == lora.keys()
+
+    def bits(t):                       # fp8 codes compared as bytes
+        return t.view(torch.uint8) if t.element_size() == 1 else t
+    assert [k for k in plain if not torch.equal(bits(plain[k]), bits(lora[k]))] == []
+    for f in files.values():
+        os.unlink(f)
+
+
 def test_a_passed_through_model_is_saved_as_it_holds_it_or_not_at_all(node, tiny_wan, base, comfy_env):
     """A second QuantizeDiT passes an already-quantized model through; with a save_path it wrote the file under the
     settings it was asked for (found in review): int8 codes labelled as ComfyUI fp8, which the stock loader then
@@ -449,3 +480,39 @@ def test_format_auto_follows_a_16_bit_plan_and_an_explicit_format_says_it_differ
     assert small.diffusion_model.precision.is_quantized
     out, report = run(node, model, format="auto", plan=small, quality_check=False)
     assert out is not model and f"format auto: {small.diffusion_model.precision} from the plan" in report, report
+
+
+def test_a_passed_through_model_in_another_comfyui_layout_is_not_saved_as_fp8_e4m3fn(node, tiny_wan, comfy_env):
+    """Found in review: a pass-through save labelled any of ComfyUI's quantized layers (float8_e5m2, int8
+    tensorwise, nvfp4, mxfp8) as fp8 e4m3fn per tensor; the stock loader then read its codes as e4m3fn, silently
+    wrong (a float8_e5m2 file came back at 35 dB). Only e4m3fn per-tensor layers are saved in that layout; others
+    are not saved, with the line saying why."""
+    import json
+
+    from safetensors.torch import save_file
+    from tiny_models import tiny_wan_dit_state_dict
+
+    sd, out = tiny_wan_dit_state_dict(), {}
+    for k, v in sd.items():
+        if k.endswith(("self_attn.q.weight", "ffn.0.weight")):
+            layer = k[:-len(".weight")]
+            scale = v.float().abs().max() / 57344.0
+            out[k] = (v.float() / scale).to(torch.float8_e5m2)
+            out[f"{layer}.weight_scale"] = scale.reshape(()).float()
+            out[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e5m2"}).encode()),
+                                                       dtype=torch.uint8)
+        else:
+            out[k] = v
+    folder = os.path.join(comfy_env.models_dir, "diffusion_models")
+    save_file(out, os.path.join(folder, "levers_test_e5m2.safetensors"))
+    model = comfy_env.nodes.UNETLoader().load_unet("levers_test_e5m2.safetensors", "default")[0]
+    layer = model.model.diffusion_model.blocks[0].self_attn.q
+    if getattr(layer, "quant_format", None) != "float8_e5m2":
+        pytest.skip("this ComfyUI does not load float8_e5m2 layers as its quantized layer")
+    path = os.path.join(folder, "levers_test_e5m2_resaved.safetensors")
+    if os.path.exists(path):
+        os.unlink(path)
+    again, report = run(node, model, format="fp8_e4m3fn", save_path=path, quality_check=False)
+    assert again is model and not os.path.exists(path), report
+    assert "not saved: the input passed through as already quantized" in report, report
+    assert "QuantizedTensor, which QuantizeDiT does not write" in report, report
