@@ -223,13 +223,15 @@ def require_backends(info: QuantFileInfo) -> None:
             raise BackendUnavailable(f"{fmt} (needed to load {os.path.basename(info.path)})", why, q.install_hint)
 
 
-def read_quantized(info: QuantFileInfo) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """(kept tensors, {layer: QuantizedWeight}) exactly as stored."""
+def read_quantized(info: QuantFileInfo, prefix: str = "") -> tuple[dict[str, torch.Tensor],
+                                                                    dict[str, QuantizedWeight]]:
+    """(kept tensors, {layer: QuantizedWeight}) exactly as stored, of the keys under ``prefix`` only (a full
+    checkpoint's diffusion model: its text encoders and VAE are never read)."""
     keys = set(info.tensors)
     owned = info.owned_keys()
     with TensorReader(info.path, info.tensors) as read:
-        quantized = {layer: qckpt.read_layer(layer, read, keys) for layer in info.layers}
-        plain = {k: read(k) for k in info.tensors if k not in owned}
+        quantized = {layer: qckpt.read_layer(layer, read, keys) for layer in info.layers if layer.startswith(prefix)}
+        plain = {k: read(k) for k in info.tensors if k not in owned and k.startswith(prefix)}
     return plain, quantized
 
 
@@ -326,13 +328,17 @@ def _detection_inputs(info: QuantFileInfo):
     import comfy.model_detection as md
     import comfy.utils
 
-    plain, quantized = read_quantized(info)
+    # the prefix from the key names alone (ComfyUI's detection reads no values), so that a full checkpoint's text
+    # encoders and VAE are not read into RAM only to be dropped
+    names = dict.fromkeys([*info.tensors, *(f"{layer}.weight" for layer in info.layers)])
+    prefix = md.unet_prefix_from_state_dict(names)
+    full = any(k.startswith(prefix) for k in names)
+    plain, quantized = read_quantized(info, prefix if full else "")
     for layer, qw in quantized.items():
         plain[f"{layer}.weight"] = placeholder(qw.shape, qw.orig_dtype)
-    prefix = md.unet_prefix_from_state_dict(plain)
-    stripped = comfy.utils.state_dict_prefix_replace(plain, {prefix: ""}, filter_keys=True)
-    if stripped:  # a full checkpoint: only the diffusion model's keys, as ComfyUI's own loader does
-        return stripped, {l[len(prefix):]: q for l, q in quantized.items() if l.startswith(prefix)}
+    if full:  # a full checkpoint: only the diffusion model's keys, as ComfyUI's own loader does
+        stripped = comfy.utils.state_dict_prefix_replace(plain, {prefix: ""}, filter_keys=True)
+        return stripped, {l[len(prefix):]: q for l, q in quantized.items()}
     return plain, quantized
 
 

@@ -199,7 +199,22 @@ def test_full_checkpoint_from_levers_quantize(nodes, tiny_wan, comfy_env):
         save_file(data, src)
         quantize_file(src, os.path.join(folder, paths[kind]), QuantConfig("int8"), arch="wan", measure=False)
     bare = load.execute(paths["bare"]).result[0]
-    loaded, report = load.execute(paths["full"]).result
+    # found in review: every tensor of a full checkpoint was read into RAM (a FLUX file's T5, CLIP and VAE: about
+    # 10 GB) only to be dropped after detection; only the diffusion model's are read now
+    from comfyui_levers.bridge import quant_loader as ql
+
+    read = []
+    original = ql.TensorReader.__call__
+
+    def spy(self, name):
+        read.append(name)
+        return original(self, name)
+    ql.TensorReader.__call__ = spy
+    try:
+        loaded, report = load.execute(paths["full"]).result
+    finally:
+        ql.TensorReader.__call__ = original
+    assert read and not [k for k in read if not k.startswith("model.diffusion_model.")], read
     assert "Levers loader" in report
     a, b = bare.model.diffusion_model.state_dict(), loaded.model.diffusion_model.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
