@@ -385,6 +385,8 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
     definitions = ui_workflow.get("definitions")
     subgraphs = {sg.get("id") for sg in (definitions.get("subgraphs") or [] if isinstance(definitions, dict) else [])
                  if isinstance(sg, dict)}
+    extra = ui_workflow.get("extra")
+    group_nodes = set((extra.get("groupNodes") or {}) if isinstance(extra, dict) else ())
     problems: list[str] = []
 
     def resolve(link_id, depth=0):
@@ -421,6 +423,11 @@ def ui_to_api(ui_workflow: dict, object_info: dict) -> dict:
         if kind in subgraphs:
             problems.append(f"{_node_label(node)} is a subgraph; unpack it in ComfyUI (right-click > Unpack "
                             "Subgraph) or export with Workflow > Export (API)")
+            continue
+        if isinstance(kind, str) and (kind.startswith(("workflow>", "workflow/")) or kind[len("workflow>"):] in
+                                      group_nodes or kind in group_nodes):
+            problems.append(f"{_node_label(node)} is a group node (the legacy frontend's); convert it in ComfyUI "
+                            "(right-click > Convert to nodes) or export with Workflow > Export (API)")
             continue
         info = object_info.get(kind)
         if info is None:
@@ -741,8 +748,14 @@ def with_uploads(object_info: dict, uploads: list[Assignment]) -> dict:
         for section in ("required", "optional"):
             table = ((node.get("input") or {}).get(section) or {}) if isinstance(node, dict) else {}
             for name, spec in table.items():
-                if name in names and isinstance(spec, list) and spec and isinstance(spec[0], list):
+                if name not in names or not isinstance(spec, list) or not spec:
+                    continue
+                if isinstance(spec[0], list):                 # ["a.png", ...]: the choices themselves
                     spec[0] = [*spec[0], *(n for n in names[name] if n not in spec[0])]
+                elif spec[0] == "COMBO" and len(spec) > 1 and isinstance(spec[1], dict):
+                    # ComfyUI 0.33's V3 combos (LoadAudio, LoadVideo, LoadImageOutput): the choices are "options"
+                    options = spec[1].setdefault("options", [])
+                    options.extend(n for n in names[name] if n not in options)
     return info
 
 
@@ -1488,8 +1501,10 @@ def resolve_workflow_path(name: str) -> Path:
         raise WorkflowError(f"workflow {name!r} is a folder: give a workflow .json file in it, or a shipped example's "
                             "name")
     stem = path.stem if path.suffix == ".json" else path.name
+    # only a bare name is a shipped example's: a path with a folder that does not exist is a typo in the path to
+    # the user's own file, which must not run the shipped example of the same name
     for candidate in (EXAMPLES_DIR / "api" / f"{stem}.json", EXAMPLES_DIR / f"{stem}.json"):
-        if candidate.is_file():
+        if len(path.parts) == 1 and candidate.is_file():
             return candidate
     shipped = sorted(p.stem for p in (EXAMPLES_DIR / "api").glob("*.json")) if (EXAMPLES_DIR / "api").is_dir() else []
     hint = f" Shipped examples: {', '.join(shipped)}." if shipped else ""

@@ -189,6 +189,29 @@ def test_ui_to_api_reports_uninstalled_nodes_and_subgraphs():
     assert "subgraph" in text
 
 
+def test_ui_to_api_names_a_legacy_group_node_and_how_to_convert_it():
+    """Found in review: a legacy group node (type ``workflow>NAME``, defined in ``extra.groupNodes``) was reported as
+    a node pack to install."""
+    ui = _ui_graph()
+    ui["extra"] = {"groupNodes": {"ImageThenInvert": {"nodes": []}}}
+    ui["nodes"].append(_node(11, "workflow>ImageThenInvert", inputs=[{"name": "x", "type": "LATENT", "link": None}]))
+    with pytest.raises(C.WorkflowError) as err:
+        C.ui_to_api(ui, MINI_OI)
+    text = str(err.value)
+    assert "is a group node" in text and "Convert to nodes" in text and "not installed" not in text, text
+
+
+def test_uploads_join_the_choices_of_both_combo_forms():
+    """Found in review: an uploaded file joined only old-style list combos; ComfyUI 0.33's V3 combos (LoadAudio,
+    LoadVideo, LoadImageOutput: ["COMBO", {"options": [...]}]) refused it as a file the server does not have."""
+    info = {"LoadImage": MINI_OI["LoadImage"],
+            "LoadAudio": {"input": {"required": {"audio": ["COMBO", {"options": ["a.wav"], "audio_upload": True}]}}}}
+    out = C.with_uploads(info, [C.parse_set("LoadAudio.audio=/tmp/x/clip.wav"), C.parse_set("LoadImage.image=/y/c.png")])
+    assert out["LoadAudio"]["input"]["required"]["audio"][1]["options"] == ["a.wav", "clip.wav"]
+    assert out["LoadImage"]["input"]["required"]["image"][0] == ["a.png", "b.png", "c.png"]
+    assert info["LoadAudio"]["input"]["required"]["audio"][1]["options"] == ["a.wav"]      # the input is untouched
+
+
 # ---------------------------------------------------------------------------------------------
 # validate_api
 # ---------------------------------------------------------------------------------------------
@@ -762,6 +785,9 @@ def test_shipped_examples_resolve_by_name_and_unknown_names_list_them(tmp_path):
     assert C.resolve_workflow_path(str(own)) == own
     with pytest.raises(C.WorkflowError, match="Shipped examples: .*flux1_dev_16gb"):
         C.resolve_workflow_path("nope")
+    # found in review: a typo in the folder of the user's own copy ran the shipped example of the same name
+    with pytest.raises(C.WorkflowError, match="not found"):
+        C.resolve_workflow_path(str(tmp_path / "no_such_dir" / "sdxl_8gb.json"))
 
 
 def test_set_reaches_inputs_whose_names_hold_dots():
