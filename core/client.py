@@ -518,51 +518,64 @@ def _convert_inputs(node: dict, info: dict, resolve, problems: list[str]) -> dic
 def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = False) -> list[str]:
     """Check an API-format prompt against /object_info; returns the problems (empty when valid).
 
-    Checks what ComfyUI's own validation checks before running: node types installed, input names
-    known, required inputs present, widget values of the right type and range, combo values among
-    the choices, links pointing at an existing node's output of a compatible type, and at least one
-    output node. With ``allow_missing_files`` a combo value that names a model file absent from the
-    server is not reported (example workflows name files users download themselves).
+    Checks what ComfyUI's own validation checks before running, as it checks it: every node's type
+    installed; then, for the nodes the output nodes need (a stray node is not run, so not checked), required
+    inputs present, widget values that convert to their type (``int()``, ``float()``, a ``__value__``
+    wrapper unwrapped) within their range, combo values among the choices, links pointing at an existing
+    node's output of a compatible type; and at least one output node. Inputs a node does not declare are
+    ignored, as ComfyUI ignores them. With ``allow_missing_files`` a combo value that names a model file
+    absent from the server is not reported (example workflows name files users download themselves).
     """
     if not isinstance(api, dict) or not api:
         return ["the prompt is empty: expected {node_id: {'class_type': ..., 'inputs': {...}}}"]
     problems: list[str] = []
-    has_output = False
+    known: dict[str, dict] = {}
     for node_id, node in api.items():
         if not isinstance(node, dict) or "class_type" not in node:
             problems.append(f"node {node_id}: not a node (no class_type); is this an API-format workflow?")
             continue
         kind = node["class_type"]
-        label = f"node {node_id} ({kind})"
         info = object_info.get(kind)
         if info is None:
-            problems.append(f"{label}: node type {kind!r} is not installed on this ComfyUI ({NOT_INSTALLED_FIX})")
+            problems.append(f"node {node_id} ({kind}): node type {kind!r} is not installed on this ComfyUI "
+                            f"({NOT_INSTALLED_FIX})")
             continue
-        has_output = has_output or bool(info.get("output_node"))
+        known[node_id] = info
+    outputs = [i for i, info in known.items() if info.get("output_node")]
+    for node_id in _needed(api, outputs):
+        if node_id not in known:
+            continue
+        node, info = api[node_id], known[node_id]
+        label = f"node {node_id} ({node['class_type']})"
         inputs = node.get("inputs", {})
         if not isinstance(inputs, dict):
             problems.append(f"{label}: 'inputs' must be an object")
             continue
         specs = {s.name: s for s in input_specs(info, inputs)}
-        hidden = set((info.get("input", {}) or {}).get("hidden", {}) or {})
         for name, value in inputs.items():
-            spec = specs.get(name)
-            if spec is None:
-                if name not in hidden:
-                    known = ", ".join(specs) or "none"
-                    problems.append(f"{label}: unknown input {name!r} (inputs: {known})")
-                continue
-            problems.extend(_check_value(label, spec, value, api, object_info, allow_missing_files))
+            if name in specs:
+                problems.extend(_check_value(label, specs[name], value, api, object_info, allow_missing_files))
         for spec in specs.values():
             if spec.required and spec.name not in inputs:
                 problems.append(f"{label}: required input {spec.name!r} ({spec.type_name}) is missing")
-    outputs = [i for i, n in api.items() if isinstance(n, dict)
-               and (object_info.get(n.get("class_type")) or {}).get("output_node")]
+    has_output = bool(outputs)
     problems.extend(_describe_cycle(api, cycle) for cycle in dependency_cycles(api, outputs))
     if not has_output and not problems:
         problems.append("the prompt has no output node (SaveImage, PreviewImage, SaveLatent, ...): "
                         "ComfyUI would run nothing")
     return problems
+
+
+def _needed(api: dict, outputs: Iterable[str]) -> list[str]:
+    """The output nodes and every node they reach up through their links, in the prompt's order."""
+    seen: set[str] = set()
+    todo = [o for o in outputs if o in api]
+    while todo:
+        node_id = todo.pop()
+        if node_id not in seen:
+            seen.add(node_id)
+            todo.extend(source for _, source in _link_inputs(api, node_id))
+    return [i for i in api if i in seen]
 
 
 def _link_inputs(api: dict, node_id: str) -> list[tuple[str, str]]:
@@ -652,20 +665,20 @@ def _check_value(label, spec: InputSpec, value, api, object_info, allow_missing_
         return []
     if not spec.is_widget and spec.type_name not in WIDGET_TYPES:
         return [f"{where} is a {spec.type_name} input: it takes a link [node_id, output_index], not {value!r}"]
+    if isinstance(value, dict) and "__value__" in value:
+        value = value["__value__"]          # ComfyUI's wrapper for a list value (a bare list reads as a link)
     kind = spec.type_name
+    # converted as ComfyUI converts them before its checks: int(), float(); any value is a string or a boolean
     if kind == "INT":
-        if isinstance(value, bool) or not _convertible(int, value) or (
-                isinstance(value, float) and not value.is_integer()):
+        if not _convertible(int, value):
             return [f"{where} expects an integer, got {value!r}"]
-        return _check_range(where, int(float(value)), spec.options)
+        return _check_range(where, int(value), spec.options)
     if kind == "FLOAT":
-        if isinstance(value, bool) or not _convertible(float, value) or not math.isfinite(float(value)):
+        if not _convertible(float, value) or math.isnan(float(value)):
             return [f"{where} expects a number, got {value!r}"]
         return _check_range(where, float(value), spec.options)
-    if kind == "BOOLEAN":
-        return [] if isinstance(value, bool) else [f"{where} expects true or false, got {value!r}"]
-    if kind == "STRING":
-        return [] if isinstance(value, str) else [f"{where} expects a string, got {value!r}"]
+    if kind in ("BOOLEAN", "STRING"):
+        return []
     choices = spec.choices
     if choices is not None and not spec.options.get("multiselect"):
         if value not in choices:

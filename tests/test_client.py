@@ -227,11 +227,11 @@ def _valid_api():
 
 @pytest.mark.parametrize("mutate, expected", [
     (lambda a: a["3"].__setitem__("class_type", "Nope"), "not installed"),
-    (lambda a: a["3"]["inputs"].__setitem__("stepz", 3), "unknown input 'stepz'"),
     (lambda a: a["3"]["inputs"].pop("steps"), "required input 'steps'"),
     (lambda a: a["3"]["inputs"].__setitem__("steps", "many"), "expects an integer"),
-    (lambda a: a["3"]["inputs"].__setitem__("steps", 2.5), "expects an integer"),
-    (lambda a: a["3"]["inputs"].__setitem__("cfg", True), "expects a number"),
+    (lambda a: a["3"]["inputs"].__setitem__("steps", "2.5"), "expects an integer"),
+    (lambda a: a["3"]["inputs"].__setitem__("cfg", "x"), "expects a number"),
+    (lambda a: a["3"]["inputs"].__setitem__("steps", {"__value__": 0}), "below its minimum 1"),
     (lambda a: a["3"]["inputs"].__setitem__("denoise", 1.5), "above its maximum 1.0"),
     (lambda a: a["3"]["inputs"].__setitem__("sampler_name", "eulr"), "not one of: 'euler'"),
     (lambda a: a["1"]["inputs"].__setitem__("unet_name", "flux1-dev.safetensors"), "file missing"),
@@ -248,6 +248,21 @@ def test_validate_api_reports_each_kind_of_problem(mutate, expected):
     mutate(api)
     problems = C.validate_api(api, MINI_OI)
     assert any(expected in p for p in problems), problems
+
+
+def test_validate_api_accepts_what_comfyui_accepts():
+    """Found in review: the local check refused prompts the real ComfyUI 0.33 accepted and ran (200): a stray node
+    no output needs (a leftover loader), an input the node does not declare (ui_to_api itself keeps those), a value
+    ComfyUI converts (int(64.5), a number for a string, a __value__ wrapper)."""
+    api = _valid_api()
+    api["9"] = {"class_type": "KSampler", "inputs": {"model": ["1", 0]}}          # stray, incomplete, not needed
+    api["3"]["inputs"]["stepz"] = 3                                               # undeclared: ignored
+    api["2"]["inputs"]["width"] = 64.5
+    api["4"]["inputs"]["filename_prefix"] = 7
+    api["3"]["inputs"]["cfg"] = {"__value__": 2.0}
+    assert C.validate_api(api, MINI_OI) == []
+    api["9"]["class_type"] = "Nope"                                              # every node's type is checked
+    assert any("not installed" in p for p in C.validate_api(api, MINI_OI))
 
 
 def test_a_missing_input_image_points_at_comfyuis_input_folder():
