@@ -351,13 +351,21 @@ def synthetic_machine(vram_gb: float | None = None, ram_gb: float | None = None,
         total = avail = int(ram_gb * GiB)
         reason = "override"
     notes = [n for n in base.notes if not (vram_gb and "no CUDA" in n) and not (vram_gb and "sees no CUDA" in n)]
+    libs = base.libraries
     if vram_gb and not base.gpus:
         notes.append(f"planning for an assumed {vram_gb:g} GiB card (sm_{capability[0]}{capability[1]}, "
                      f"~{assumed_tflops(vram_gb):g} dense bf16 TFLOP/s, typical for that size); no GPU was probed")
+        # what this Python lacks (no torch, no bitsandbytes) says nothing of the machine with that card: its
+        # formats are planned as available, and the note says what to install there
+        missing = {k: c for k, c in libs.items() if not c.ok}
+        if missing:
+            libs = {k: c for k, c in libs.items() if c.ok}
+            notes.append("formats assumed available on that machine (not usable in this Python: "
+                         + "; ".join(f"{k}: {c.reason}" for k, c in sorted(missing.items())) + ")")
     bw = base.bandwidth
     if h2d_gbps is not None:
         if h2d_gbps <= 0:
             raise ValueError(f"h2d_gbps={h2d_gbps} must be positive; give host->GPU bandwidth in GB/s (e.g. 25)")
         bw = Bandwidth(float(h2d_gbps), float(h2d_gbps) * PAGEABLE_FRACTION, "override")
     return Machine(os=base.os, gpus=gs, ram_total_bytes=total, ram_available_bytes=avail, ram_reason=reason,
-                   bandwidth=bw, libraries=base.libraries, comfyui=base.comfyui, notes=tuple(notes))
+                   bandwidth=bw, libraries=libs, comfyui=base.comfyui, notes=tuple(notes))

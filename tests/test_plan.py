@@ -1147,3 +1147,24 @@ def test_a_cpu_plan_never_stores_fp8_where_torch_cannot():
     p = plan(get_preset("flux1-dev"), Workload(1024, 1024), no_fp8)
     assert all(c.precision is not Precision.FP8_E4M3FN for c in (p.diffusion_model, p.text_encoder)), p
     assert not p.fits
+
+
+def test_a_card_given_by_size_is_planned_with_formats_this_python_lacks():
+    """Found in review: `levers recommend --vram-gb 8` without torch (which the README says works) took this
+    Python's missing torch for the target machine's: fp8, int8 and nf4 were dropped, and Wan 14B on 8 GB read
+    "DOES NOT FIT" where the plan with torch streams fp8 at 7.7 GiB. For an assumed card the formats are planned
+    as available, with a note; a probed card keeps what was probed."""
+    from dataclasses import replace
+
+    from comfyui_levers.core.probe import GPU, Capability
+
+    here = synthetic_machine(vram_gb=0, ram_gb=64, h2d_gbps=25)
+    lacking = replace(here, gpus=(), libraries={**here.libraries,
+                                                 "fp8_storage": Capability(False, "No module named 'torch'")})
+    m = synthetic_machine(vram_gb=8, ram_gb=64, h2d_gbps=25, base=lacking)
+    assert "fp8_storage" not in m.libraries
+    assert any("formats assumed available on that machine" in n and "No module named 'torch'" in n for n in m.notes)
+    p = plan(get_preset("wan2.1-14b"), Workload(832, 480, 81), m)
+    assert p.fits and p.diffusion_model.precision is Precision.FP8_E4M3FN, p
+    probed = replace(lacking, gpus=(GPU(0, "probed", 8 * GiB, 8 * GiB, (8, 9)),))
+    assert not synthetic_machine(vram_gb=8, base=probed).libraries["fp8_storage"].ok
