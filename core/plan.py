@@ -385,9 +385,13 @@ def _te_options(spec, wl, machine, budget) -> list[_TeOption]:
     bw = machine.bandwidth.pinned_gbps * 1e9
     opts = []
     p16 = Precision.BF16 if gpu.bf16 else Precision.FP16
+    # a connected encoder already stored in fp8 (Recommend measured 1 byte a parameter) is planned as stored, at no
+    # loss: a 16-bit (or fp32 CPU) copy would take twice (four times) the bytes for no better conditioning
+    stored_fp8 = spec.te_dtype_bytes == 1
     # fp8 text encoders are what ComfyUI ships for T5/UMT5/Qwen-VL: nearly lossless for conditioning; a torch that
     # cannot store fp8 cannot load them either
-    precisions = ((p16, 0.0),) + (((Precision.FP8_E4M3FN, 0.2),) if stores_fp8(machine) else ())
+    precisions = (((Precision.FP8_E4M3FN, 0.0),) if stored_fp8 else
+                  ((p16, 0.0),) + (((Precision.FP8_E4M3FN, 0.2),) if stores_fp8(machine) else ()))
     room = budget - te_act                    # the encode phase has the card to itself (PhaseOffload)
     prompts = dit_passes(spec, wl)            # a CFG run encodes its negative prompt too
     for p, loss in precisions:
@@ -405,15 +409,19 @@ def _te_options(spec, wl, machine, budget) -> list[_TeOption]:
             opts.append(_TeOption(p, main, Residency.PHASE, wb, te_act + PARTIAL_TE_MIN_BYTES,
                                   (room + prompts * (wb - room)) / bw, loss, partial=True, prompts=prompts))
     for g in machine.gpus[1:]:
-        wb = int(spec.te_params * bytes_per_param(Precision.BF16 if g.bf16 else Precision.FP16))
+        p2 = Precision.FP8_E4M3FN if stored_fp8 else Precision.BF16 if g.bf16 else Precision.FP16
+        wb = int(spec.te_params * bytes_per_param(p2))
         if wb + te_act <= g.total_bytes - OVERHEAD_BYTES:
-            opts.append(_TeOption(Precision.BF16 if g.bf16 else Precision.FP16, g.device, Residency.RESIDENT, wb, 0,
+            opts.append(_TeOption(p2, g.device, Residency.RESIDENT, wb, 0,
                                   0.0, 0.0, f"text encoder lives on the second GPU {g.name}"))
             break
     cpu_seconds = 2 * spec.te_params * spec.text_tokens / (CPU_TFLOPS * 1e12)
-    opts.append(_TeOption(Precision.FP32, "cpu", Residency.CPU, int(spec.te_params * 4), 0, prompts * cpu_seconds,
-                          0.0, f"text encoder runs on the CPU in fp32 (~{cpu_seconds:.0f} s per prompt"
-                               + (", the negative prompt too)" if prompts > 1 else ")"), prompts=prompts))
+    pc = Precision.FP8_E4M3FN if stored_fp8 else Precision.FP32        # fp8 as stored: ComfyUI casts it per op
+    opts.append(_TeOption(pc, "cpu", Residency.CPU, int(spec.te_params * bytes_per_param(pc)), 0,
+                          prompts * cpu_seconds, 0.0,
+                          f"text encoder runs on the CPU in {'fp8 as stored, computed in fp32' if stored_fp8 else 'fp32'}"
+                          f" (~{cpu_seconds:.0f} s per prompt" + (", the negative prompt too)" if prompts > 1 else ")"),
+                          prompts=prompts))
     return opts
 
 
@@ -906,12 +914,13 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     for p in (Precision.FP32, Precision.BF16) + ((Precision.FP8_E4M3FN,) if stores_fp8(machine) else ()):
         dit_b = (int(spec.dit_params * bytes_per_param(p)) if p is not Precision.FP8_E4M3FN and stored is None
                  else dit_weight_bytes(spec, p))
-        te_b = int(spec.te_params * bytes_per_param(p))
+        te_p = Precision.FP8_E4M3FN if spec.te_dtype_bytes == 1 else p    # an fp8 encoder stays as stored
+        te_b = int(spec.te_params * bytes_per_param(te_p))
         need = dit_b * spec.experts + te_b + int(spec.vae_params * 4) + extra_need   # every expert in RAM
-        chosen = (p, dit_b, te_b, need)
+        chosen = (p, dit_b, te_p, te_b, need)
         if avail is None or need <= avail:
             break
-    p, dit_b, te_b, need = chosen
+    p, dit_b, te_p, te_b, need = chosen
     fits = avail is None or need <= avail
     notes.append("no GPU: every component computes on the CPU (ComfyUI's CPU path); nothing is pinned or moved")
     if stored is not None:
@@ -924,7 +933,7 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
                      f"available) < {need / GiB:.1f} GiB needed even with {p} weights: close "
                      "other programs, lower the resolution/frames or batch, or use a machine with more RAM or a GPU")
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, stored or p, "cpu", Residency.CPU, False, dit_b, 0),
-             ComponentPlan(Component.TEXT_ENCODER, p, "cpu", Residency.CPU, False, te_b, 0),
+             ComponentPlan(Component.TEXT_ENCODER, te_p, "cpu", Residency.CPU, False, te_b, 0),
              ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0))
     step = compute_seconds_per_step(spec, wl, machine, Precision.FP32, False)
     workload = {**workload, "predicted_step_seconds": round(step, 1), "predicted_total_seconds": round(step * wl.steps, 1),
@@ -982,9 +991,11 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
     notes.append(f"does not fit {card} ({max(0, budget) / GiB:.1f} GiB usable) even with {p} weights"
                  f"{' and streaming' if residency is Residency.STREAMED else ''}: " + "; ".join(short or ["no plan fits"])
                  + ". " + advice[0].upper() + advice[1:] + ".")
+    te_cpu = Precision.FP8_E4M3FN if spec.te_dtype_bytes == 1 else Precision.FP32   # an fp8 encoder as stored
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, p, gpu.device, residency, False, wb, resident,
                            streaming=streaming, quantize_modulation=qmod),
-             ComponentPlan(Component.TEXT_ENCODER, Precision.FP32, "cpu", Residency.CPU, False, int(spec.te_params * 4), 0),
+             ComponentPlan(Component.TEXT_ENCODER, te_cpu, "cpu", Residency.CPU, False,
+                           int(spec.te_params * bytes_per_param(te_cpu)), 0),
              ComponentPlan(Component.VAE, vae_p, gpu.device, Residency.PHASE, False, vae_w, vae_w, tiling=tiling))
     peak = max(sample, decode) + OVERHEAD_BYTES
     host = int(wb * spec.experts + comps[1].weight_bytes + vae_w)
