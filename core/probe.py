@@ -129,7 +129,7 @@ def host_ram() -> tuple[int | None, int | None, str]:
 
         vm = psutil.virtual_memory()
         return int(vm.total), int(vm.available), "psutil"
-    except ImportError:
+    except Exception:       # no psutil, or psutil failing in a container: /proc/meminfo, else a note
         pass
     try:
         info = {}
@@ -224,7 +224,10 @@ def quiet_import():
 
 
 def _module_present(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):         # a broken install: a module without a spec, a half-removed package
+        return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -245,7 +248,7 @@ def bitsandbytes_capability() -> Capability:
         if not torch.isfinite(err) or err > 0.2:
             return Capability(False, f"bitsandbytes nf4 round trip is wrong here (rel. error {float(err):.2f})")
         return Capability(True, f"nf4 kernels work on {dev}")
-    except (ImportError, RuntimeError, AttributeError, TypeError) as exc:
+    except Exception as exc:        # fail soft: a broken CUDA library raises OSError on import, others anything
         return Capability(False, f"bitsandbytes is installed but its kernels fail here: {exc}")
 
 
@@ -258,7 +261,7 @@ def torchao_capability() -> Capability:
             from torchao.quantization import Int8WeightOnlyConfig  # noqa: F401
 
         return Capability(True, "torchao int8 weight-only available")
-    except (ImportError, RuntimeError, AttributeError) as exc:
+    except Exception as exc:        # fail soft, as above
         return Capability(False, f"torchao is installed but unusable: {exc}")
 
 

@@ -1183,3 +1183,30 @@ def test_a_text_encoder_stored_in_fp8_is_planned_as_stored():
         assert te.weight_bytes <= spec.te_params * 1.01, te
     stock = plan(get_preset("flux1-dev"), Workload(1024, 1024), machine(24, ram=64)).text_encoder
     assert stock.weight_bytes >= 1.9 * spec.te_params            # a 16-bit encoder is planned at its 16 bits
+
+
+def test_library_probes_fail_soft_on_any_error(monkeypatch):
+    """Found in review: the bitsandbytes and torchao probes caught only some exceptions; a broken CUDA library
+    raises OSError on import, which would have failed Recommend instead of leaving a note. psutil failing (a
+    container) falls back to /proc/meminfo."""
+    import builtins
+
+    from comfyui_levers.core import probe
+
+    real_import = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name.startswith(("bitsandbytes", "torchao", "psutil")):
+            raise OSError("libcudart.so.13: cannot open shared object file")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(probe, "_module_present", lambda name: True)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    for cap in (probe.bitsandbytes_capability, probe.torchao_capability):
+        cap.cache_clear()
+        try:
+            result = cap()
+            assert not result.ok and "libcudart" in result.reason, result
+        finally:
+            cap.cache_clear()
+    total, available, source = probe.host_ram()
+    assert source in ("/proc/meminfo",) or total is None, source
