@@ -175,6 +175,28 @@ def test_refuses_already_quantized_input(src, tmp_path):
         ckpt.quantize_file(out1, out2, QuantConfig("int8"))
 
 
+def test_a_full_checkpoint_with_a_scaled_fp8_text_encoder_is_quantized(tmp_path):
+    """Found in review: a bf16 diffusion model bundled with a scaled-fp8 text encoder (its ``.scale_weight`` keys)
+    was refused as "already quantized", though the README says full checkpoints are supported. Only the diffusion
+    model's keys decide; the encoder is copied as it is."""
+    full = {f"model.diffusion_model.{k}": v for k, v in wan_state_dict().items()}
+    te = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q"
+    full[f"{te}.weight"] = torch.randn(16, 16).to(torch.float8_e4m3fn)
+    full[f"{te}.scale_weight"] = torch.tensor(0.5)
+    path, out = str(tmp_path / "full.safetensors"), str(tmp_path / "full_fp8.safetensors")
+    save_file(full, path)
+    report = ckpt.quantize_file(path, out, QuantConfig("fp8"), arch="wan", measure=False)
+    assert report.arch == "wan"
+    got = load_file(out)
+    assert torch.equal(got[f"{te}.scale_weight"], full[f"{te}.scale_weight"])
+    assert torch.equal(got[f"{te}.weight"].view(torch.uint8), full[f"{te}.weight"].view(torch.uint8))
+    assert got["model.diffusion_model.blocks.0.self_attn.q.weight"].dtype == torch.float8_e4m3fn
+    dit_scaled = dict(full, **{"model.diffusion_model.blocks.0.self_attn.q.scale_weight": torch.tensor(1.0)})
+    save_file(dit_scaled, path)
+    with pytest.raises(ValueError, match="already quantized"):
+        ckpt.quantize_file(path, str(tmp_path / "again.safetensors"), QuantConfig("fp8"), arch="wan", measure=False)
+
+
 def test_streaming_peak_memory_is_a_few_tensors_not_the_model(tmp_path):
     """A ~200 MB fp32 file: peak Python-allocated memory stays near the largest tensor, not the model."""
     d, depth = 1024, 6

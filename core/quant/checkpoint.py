@@ -241,7 +241,12 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
     with open_source(src) as f:
         keys = list(f.keys())
         src_meta = f.metadata() or {}
-        if any(k.endswith((".comfy_quant", ".levers_quant", ".scale_weight")) for k in keys) or "scaled_fp8" in keys:
+        # a full checkpoint's diffusion model is what is quantized: a scaled-fp8 text encoder bundled with a bf16
+        # diffusion model (its .scale_weight keys) is copied as it is, not taken for a quantized file
+        dit = [k for k in keys if k.startswith("model.diffusion_model.")]
+        own, prefix = (dit, "model.diffusion_model.") if dit else (keys, "")
+        if any(k.endswith((".comfy_quant", ".levers_quant", ".scale_weight")) for k in own) \
+                or f"{prefix}scaled_fp8" in keys or "scaled_fp8" in keys and not dit:
             raise ConfigError("IN", src, "an unquantized (bf16/fp16/fp32) checkpoint",
                               "this file is already quantized")
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
