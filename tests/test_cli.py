@@ -213,6 +213,11 @@ def test_without_torch_every_command_says_what_it_needs_instead_of_a_traceback(a
         assert r.returncode == 2 and "NODE.INPUT=VALUE" in r.stderr, r.stderr    # the client needs no torch
     elif argv[0] == "recommend":
         assert r.returncode == 0 and "Levers plan: flux1-dev" in r.stdout, r.stderr
-        assert "fp8_e4m3fn" not in r.stdout.split("\n\n")[1], r.stdout       # no torch stores no fp8
+        if "--vram-gb" in argv:
+            # a card given by size is planned with the formats this Python lacks (found in review: no torch here
+            # dropped fp8 from the plan for another machine), and the note says so
+            assert "formats assumed available on that machine" in r.stdout and "No module named 'torch'" in r.stdout
+        else:
+            assert "fp8_e4m3fn" not in r.stdout.split("\n\n")[1], r.stdout   # this machine, no torch: no fp8
     else:
         assert r.returncode == 2 and "needs PyTorch" in r.stderr and "pip install torch" in r.stderr, r.stderr
