@@ -908,7 +908,6 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
     """No GPU: everything computes on the CPU. Weights may be stored smaller than fp32 (ComfyUI casts
     bf16/fp8 weights per op on the CPU), which is the only lever that matters for host RAM."""
     avail = host_room(machine)          # what the OS and ComfyUI's own process leave of the available RAM
-    extra_need = act + vae_decode_bytes(spec, wl)
     chosen = None
     stored = stored_precision(spec)
     for p in (Precision.FP32, Precision.BF16) + ((Precision.FP8_E4M3FN,) if stores_fp8(machine) else ()):
@@ -916,11 +915,16 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
                  else dit_weight_bytes(spec, p))
         te_p = Precision.FP8_E4M3FN if spec.te_dtype_bytes == 1 else p    # an fp8 encoder stays as stored
         te_b = int(spec.te_params * bytes_per_param(te_p))
-        need = dit_b * spec.experts + te_b + int(spec.vae_params * 4) + extra_need   # every expert in RAM
-        chosen = (p, dit_b, te_p, te_b, need)
+        weights = dit_b * spec.experts + te_b + int(spec.vae_params * 4)   # every expert in RAM
+        # the decode runs once sampling is done (its activations gone), in tiles that fit what the weights leave
+        # (TiledVAEDecode on the CPU); untiled, a Wan 720p video's decode alone is over 100 GiB
+        tiling, vae_peak = (plan_vae_tiling(spec, wl, avail - weights) if avail is not None
+                            else (None, vae_decode_bytes(spec, wl)))
+        need = weights + max(act, vae_peak)
+        chosen = (p, dit_b, te_p, te_b, weights, tiling, need)
         if avail is None or need <= avail:
             break
-    p, dit_b, te_p, te_b, need = chosen
+    p, dit_b, te_p, te_b, weights, tiling, need = chosen
     fits = avail is None or need <= avail
     notes.append("no GPU: every component computes on the CPU (ComfyUI's CPU path); nothing is pinned or moved")
     if stored is not None:
@@ -928,20 +932,24 @@ def _cpu_plan(spec, wl, machine, goal, act, notes, workload, mdict) -> Plan:
                      "layer while computing")
     if p is not Precision.FP32:
         notes.append(f"weights stored as {p} to fit host RAM, cast to fp32 per layer while computing")
+    if tiling is not None:
+        notes.append(f"the VAE decodes in tiles (TiledVAEDecode): the whole decode needs "
+                     f"{vae_decode_bytes(spec, wl) / GiB:.1f} GiB of RAM, tiles {tiling.peak_bytes / GiB:.2f} GiB")
     if avail is not None and not fits:
         notes.append(f"host RAM {avail / GiB:.1f} GiB free for the run (of {machine.ram_available_bytes / GiB:.1f} "
                      f"available) < {need / GiB:.1f} GiB needed even with {p} weights: close "
                      "other programs, lower the resolution/frames or batch, or use a machine with more RAM or a GPU")
     comps = (ComponentPlan(Component.DIFFUSION_MODEL, stored or p, "cpu", Residency.CPU, False, dit_b, 0),
              ComponentPlan(Component.TEXT_ENCODER, te_p, "cpu", Residency.CPU, False, te_b, 0),
-             ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0))
+             ComponentPlan(Component.VAE, Precision.FP32, "cpu", Residency.CPU, False, int(spec.vae_params * 4), 0,
+                           tiling=tiling))
     step = compute_seconds_per_step(spec, wl, machine, Precision.FP32, False)
     workload = {**workload, "predicted_step_seconds": round(step, 1), "predicted_total_seconds": round(step * wl.steps, 1),
                 "host_bytes_needed": int(need)}
     return Plan(model=spec.name, goal=goal, budget_bytes=0, vram_bytes=0, components=comps,
                 activation_bytes=act, vae_decode_peak_bytes=vae_decode_bytes(spec, wl), overhead_bytes=0,
                 predicted_peak_bytes=0, predicted_extra_seconds=0.0, fits=fits, notes=tuple(notes),
-                workload=workload, machine=mdict, host_bytes=int(need - extra_need), experts=spec.experts)
+                workload=workload, machine=mdict, host_bytes=int(weights), experts=spec.experts)
 
 
 def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, withheld=0,

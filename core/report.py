@@ -44,7 +44,10 @@ def format_plan(plan: Plan, machine: Machine | None = None) -> str:
                          + f" (predicted {wl.get('predicted_step_seconds')} s/step, "
                            f"~{wl.get('predicted_total_seconds')} s total)")
     else:
-        lines.append(f"activations per pass {gib(plan.activation_bytes)}; VAE decode {gib(plan.vae_decode_peak_bytes)}; "
+        tiling = plan.vae.tiling if plan.components else None
+        decode = (f"VAE decode untiled {gib(plan.vae_decode_peak_bytes)}, in tiles {gib(tiling.peak_bytes)}"
+                  if tiling is not None else f"VAE decode {gib(plan.vae_decode_peak_bytes)}")
+        lines.append(f"activations per pass {gib(plan.activation_bytes)}; {decode}; "
                      f"{'fits' if plan.fits else 'DOES NOT FIT'} in host RAM")
     if plan.host_bytes:
         lines.append(f"host RAM for the host copies: {gib(plan.host_bytes)}"

@@ -1034,10 +1034,22 @@ def test_the_fit_goal_takes_a_plan_that_does_not_stream_when_one_fits():
 def test_a_cpu_plan_leaves_the_same_room_for_the_os():
     """The CPU plan compared its RAM need with all of the available RAM while the GPU plans kept 8 % free."""
     wl = Workload(1024, 1024)
-    need = plan(get_preset("sdxl"), wl, machine(0, ram=512)).workload["host_bytes_needed"]
-    ram = (need + GiB) / GiB                      # fits the available RAM, not what the OS leaves of it
+    big = plan(get_preset("sdxl"), wl, machine(0, ram=512))
+    least = big.host_bytes + big.activation_bytes   # fp32 weights and sampling: the least an fp32 plan needs
+    ram = least * 1.02 / GiB                      # fits the available RAM, not what the OS leaves of it
     p = plan(get_preset("sdxl"), wl, machine(0, ram=ram))
     assert p.diffusion_model.precision is not Precision.FP32, p.notes
+
+
+def test_a_cpu_plan_decodes_a_video_in_tiles_that_fit_the_ram():
+    """Found in review: the CPU plan sized the VAE decode untiled (and added it to the sampling activations, though
+    they never coexist), so a Wan 720p video on the CPU read DOES NOT FIT for a 100+ GiB decode that
+    TiledVAEDecode runs in tiles. The decode is planned in tiles that fit what the weights leave."""
+    wl = Workload(1280, 720, 81, 30)
+    p = plan(get_preset("wan2.1-14b"), wl, machine(0, ram=128))
+    assert p.vae_decode_peak_bytes > 100 * GiB
+    assert p.fits and p.vae.tiling is not None and p.vae.tiling.peak_bytes < 128 * GiB - p.host_bytes, p.notes
+    assert any("the VAE decodes in tiles" in n for n in p.notes), p.notes
 
 
 def test_notes_from_the_second_sweep_state_true_reasons():
