@@ -978,14 +978,19 @@ def _no_fit_plan(spec, wl, machine, goal, act, notes, workload, mdict, dits, wit
         short.append(f"the card is below the {OVERHEAD_BYTES / GiB:.1f} GiB kept for the CUDA context and "
                      "fragmentation" + (" and what is withheld (see the notes above)" if withheld else ""))
     else:
-        if sample > budget:
-            short.append(f"sampling needs {sample / GiB:.1f} GiB ({p} weights on the GPU "
-                         f"{resident / GiB:.1f} GiB{' with streaming' if residency is Residency.STREAMED else ''}, one "
-                         f"step's activations {act / GiB:.1f} GiB)")
-            # the least the weights can take (two slots of the widest block, the rest outside the blocks): below the
-            # card, a smaller workload is what fits
-            sizes = dit_block_bytes(spec, p, qmod)
-            if dit_weight_bytes(spec, p, qmod) - sum(sizes) + 2 * max(sizes) < budget:
+        # the least the weights can take (two slots of the widest block, the rest outside the blocks): where no
+        # streamed plan was sized (the activations alone leave no room), the sentence names that least, not the
+        # whole model on the GPU (found in review: "nf4 weights on the GPU 7.8 GiB" where streaming needs ~1)
+        sizes = dit_block_bytes(spec, p, qmod)
+        least = dit_weight_bytes(spec, p, qmod) - sum(sizes) + 2 * max(sizes, default=0)
+        on_gpu = resident if smallest is not None else min(resident, least)
+        if on_gpu + act > budget:
+            streams = residency is Residency.STREAMED or on_gpu < resident
+            short.append(f"sampling needs {(on_gpu + act) / GiB:.1f} GiB ({p} weights on the GPU "
+                         f"{'at least ' if smallest is None and streams else ''}{on_gpu / GiB:.1f} GiB"
+                         f"{' with streaming' if streams else ''}, one step's activations {act / GiB:.1f} GiB)")
+            # below the card, a smaller workload is what fits
+            if least < budget:
                 fixes.append("lower the resolution/frames or batch")
         if decode > budget:
             short.append(f"the VAE decode needs {decode / GiB:.1f} GiB (its weights {vae_w / GiB:.2f} GiB and its "

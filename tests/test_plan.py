@@ -1222,3 +1222,14 @@ def test_library_probes_fail_soft_on_any_error(monkeypatch):
             cap.cache_clear()
     total, available, source = probe.host_ram()
     assert source in ("/proc/meminfo",) or total is None, source
+
+
+def test_the_no_fit_advice_names_the_least_the_weights_can_take():
+    """Found in review: where the activations alone leave no room for a streamed plan, the no-fit note said the
+    whole model sat on the GPU ("nf4 weights on the GPU 7.8 GiB") where streaming needs two slots (~0.8 GiB)."""
+    p = plan(get_preset("wan2.1-14b"), Workload(1280, 720, 81, 40), machine(4, ram=64))
+    assert not p.fits
+    (note,) = [n for n in p.notes if n.startswith("does not fit")]
+    gib = float(note.split("on the GPU at least ")[1].split(" GiB")[0])
+    assert gib < 0.2 * p.diffusion_model.weight_bytes / GiB and "with streaming" in note, note
+    assert "Lower the resolution/frames or batch" in note
