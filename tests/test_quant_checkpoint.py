@@ -425,3 +425,19 @@ def test_cli_errors_name_the_options_and_out_must_be_safetensors(src, tmp_path, 
     assert "--keep-first-blocks=999 is not valid" in err and "(999" not in err, err
     assert cli_main(["quantize", path, str(tmp_path / "out.txt"), "--format", "fp8"]) == 2
     assert "expected a .safetensors file name" in capsys.readouterr().err and not (tmp_path / "out.txt").exists()
+
+
+def test_source_tensors_of_the_newer_dtypes_are_copied_and_unknown_ones_named(tmp_path):
+    """Found in review: a source tensor in a dtype the writer could not name (U16/U32 beside the weights) raised a
+    bare KeyError, a traceback from `levers quantize` instead of exit 2. The newer dtypes safetensors names are
+    written; any other is a ConfigError naming the tensor."""
+    if not hasattr(torch, "uint16"):
+        pytest.skip("this torch has no uint16")
+    out = tmp_path / "o.safetensors"
+    w = ckpt._StreamingSafetensors(str(out))
+    w.add("ids", torch.arange(5, dtype=torch.int32).to(torch.uint16))
+    w.commit({})
+    assert torch.equal(load_file(str(out))["ids"].to(torch.int32), torch.arange(5, dtype=torch.int32))
+    bad = ckpt._StreamingSafetensors(str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ConfigError, match="complex64"):
+        bad.add("z", torch.zeros(2, dtype=torch.complex64))

@@ -38,6 +38,9 @@ LEVERS_META_KEY = "levers_quantization"
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+# the unsigned and scale dtypes newer torch and safetensors name (a source file may hold them beside the weights)
+_ST_DTYPES.update({getattr(torch, d): code for d, code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+                                                             ("float8_e8m0fnu", "F8_E8M0")) if hasattr(torch, d)})
 
 
 def json_tensor(obj) -> torch.Tensor:
@@ -117,6 +120,9 @@ class _StreamingSafetensors:
     def add(self, name: str, t: torch.Tensor) -> None:
         if name in self.header:
             raise ValueError(f"duplicate tensor name {name!r} in the output")
+        if t.dtype not in _ST_DTYPES:
+            raise ConfigError("IN", name, "tensors of a dtype safetensors can store",
+                              f"{name} is {t.dtype}, which this writer cannot name; convert that tensor first")
         t = t.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         self.data.write(memoryview(raw) if t.numel() else raw)
