@@ -105,6 +105,21 @@ class ToyKL(nn.Module):
                                    self.conv_out])
 
 
+def test_the_receptive_field_of_a_thin_frame_is_measured_along_its_long_side():
+    """Found in review: the probe window was square and stopped growing at the frame's short side, so on a thin frame
+    (a panorama) the reach along the long side, where tiles cut, was clipped: a lower bound the planner took for
+    exact overlaps. The window grows along each axis on its own."""
+    torch.manual_seed(0)
+    m = _init(ToyKL(gn=False, attn=False), 1)
+    thin = torch.randn(1, 4, 2, 48)
+    assert measure_halo(m.staged(), run_stem(m.staged(), thin), out_per_stem=4) == 18     # as on a square frame
+    ref = m.decode(thin)
+    ov = math.ceil((2 * 18 + 1) / 4)
+    out = decode_spatial(m.staged(), thin, TilePlan("spatial", 1, (2, 16), ov, None, 0, 1, "test"), out_scale=4,
+                         halo_px=18)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 def spatial_plan(tile: int, overlap: int) -> TilePlan:
     return TilePlan("spatial", 1, (tile, tile), overlap, None, 0, 1, "test")
 

@@ -281,12 +281,14 @@ def measure_halo(staged: StagedDecoder, stem_out: torch.Tensor, out_per_stem: in
     inside it.
     """
     hs, ws = stem_out.shape[-2:]
-    size = min(probe, hs, ws)
+    # the window grows along each axis on its own: on a thin frame (a panorama) the short side stops it early,
+    # while the long side, where tiles cut, still needs the whole reach (a square window clipped it there)
+    sy, sx = min(probe, hs), min(probe, ws)
     while True:
-        y0, x0 = (hs - size) // 2, (ws - size) // 2
-        win = stem_out[:1, ..., y0:y0 + size, x0:x0 + size].clone()
+        y0, x0 = (hs - sy) // 2, (ws - sx) // 2
+        win = stem_out[:1, ..., y0:y0 + sy, x0:x0 + sx].clone()
         runner = _TailRunner(staged, stem_out)
-        cy = cx = size // 2
+        cy, cx = sy // 2, sx // 2
         dummy = (_frames_dummy(torch.zeros(1, 1, win.shape[2], 1, 1, device=win.device))
                  if win.ndim == 5 else torch.zeros(1, 1, 1, 1, device=win.device, dtype=win.dtype))
         with torch.inference_mode(), override_forwards(runner.replacements()):
@@ -310,11 +312,11 @@ def measure_halo(staged: StagedDecoder, stem_out: torch.Tensor, out_per_stem: in
         lo_y, hi_y = cy * out_per_stem, (cy + 1) * out_per_stem
         lo_x, hi_x = cx * out_per_stem, (cx + 1) * out_per_stem
         radius = max(lo_y - int(ys.min()), int(ys.max()) + 1 - hi_y, lo_x - int(xs.min()), int(xs.max()) + 1 - hi_x, 0)
-        touches = (int(ys.min()) == 0 or int(xs.min()) == 0 or int(ys.max()) == diff.shape[0] - 1
-                   or int(xs.max()) == diff.shape[1] - 1)
-        if not touches or size >= min(hs, ws):
+        grow_y = (int(ys.min()) == 0 or int(ys.max()) == diff.shape[0] - 1) and sy < hs
+        grow_x = (int(xs.min()) == 0 or int(xs.max()) == diff.shape[1] - 1) and sx < ws
+        if not grow_y and not grow_x:
             return float(radius)
-        size = min(2 * size, hs, ws)
+        sy, sx = (min(2 * sy, hs) if grow_y else sy), (min(2 * sx, ws) if grow_x else sx)
 
 
 def _emit(progress: Progress | None, done: int, total: int) -> None:
