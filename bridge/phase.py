@@ -600,8 +600,14 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
     that finishes), so its seconds and peak are final; a later load of the same component
     continues that phase."""
     if close:
-        for g in sorted(_LIVE, key=lambda g: g.last_active):   # the most recently active publishes last
+        groups = sorted(_LIVE, key=lambda g: g.last_active)
+        for g in groups:
             g.close_phase()
+        # the most recently active group's run, even where an older group still had a phase open (closing it just
+        # now published that older run last)
+        latest = next((g.published for g in reversed(groups) if g.published is not None), None)
+        if latest is not None:
+            return copy.deepcopy(latest)
     return copy.deepcopy(_LATEST)
 
 
@@ -625,6 +631,7 @@ class PhaseGroup:
         self._stores: dict[str, PinnedStore] = {}
         self._open: PhaseEntry | None = None
         self._open_patcher = None
+        self.published: dict[str, Any] | None = None     # this group's last published run (``latest_ledger``)
         self._finalizers: list[weakref.finalize] = []
 
     def store_for(self, transport) -> PinnedStore:
@@ -782,7 +789,7 @@ class PhaseGroup:
         text = format_ledger(data)
         log.info("%s", text)
         send_to_node(text, self.node_id)
-        _LATEST = data
+        _LATEST = self.published = data
         return data
 
     def record(self, component: str, kind: str, **fields) -> None:

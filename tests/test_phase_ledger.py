@@ -270,3 +270,22 @@ def test_components_on_two_gpus_get_a_pinned_store_each():
     s0, s1 = group.store_for(t0), group.store_for(t1)
     assert s0 is not s1 and s0.transport is t0 and s1.transport is t1
     assert group.store_for(again) is s0
+
+
+def test_the_latest_ledger_is_the_most_recently_active_groups(monkeypatch):
+    """Found when the integration tests ran in another order (ComfyUI 0.3.64): an older group still alive with a
+    phase open (a headless run: no node finishes it) was closed by latest_ledger after the newer group had already
+    published, so its stale run came back as the latest."""
+    older, old_dit, _, _ = _cuda_group(monkeypatch)
+    newer, new_dit, _, _ = _cuda_group(monkeypatch)
+    P._LIVE.add(older)                               # as apply() registers the groups it makes
+    P._LIVE.add(newer)
+    older._open_phase(old_dit, None)
+    older.last_active = 1
+    newer._begin_run("prompt-new")
+    newer._open_phase(new_dit, None)
+    newer.close_phase()                              # published: the node finished
+    newer.last_active = 2
+    latest = P.latest_ledger()
+    assert latest["prompt_id"] == "prompt-new", latest
+    assert not older._open                           # the open phase was closed all the same
