@@ -930,8 +930,8 @@ def _te_kept_reason(clip) -> str | None:
 def _stored_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The weights of ``module`` a copy at ``dtype`` widens, by state-dict key (LoRA patch keys): their stored
     dtype, which a patched weight is rounded to."""
-    return {k: t.dtype for k, t in module.state_dict().items()
-            if t.is_floating_point() and t.element_size() < torch.empty((), dtype=dtype).element_size()}
+    width = torch.empty((), dtype=dtype).element_size()
+    return {k: t.dtype for k, t in module.state_dict().items() if t.is_floating_point() and t.element_size() < width}
 
 
 # text encoder module -> {dtype: its private copy at that dtype}, while something holds the copy
