@@ -265,6 +265,20 @@ def _phase_class(base: type) -> type:
             out = _round_patched(self, key, stored, out if return_weight else None)
         return out
 
+    def patch_hook_weight_to_device(self, hooks, combined_patches, key, *args, **kwargs):
+        # a weight hook (hook LoRA, scheduled CLIP hooks): ComfyUI rounds the hooked weight to the weight's dtype,
+        # which on the wider copy is no rounding; round it to the stored dtype, also in ComfyUI's cache of hooked
+        # weights (MaxSpeed), which it copies back in unchanged the next time these hooks apply
+        out = super(cls, self).patch_hook_weight_to_device(hooks, combined_patches, key, *args, **kwargs)
+        comp = _component(self)
+        stored = comp.stored_dtypes.get(key) if comp is not None and comp.stored_dtypes else None
+        if stored is not None and key in combined_patches:
+            _round_patched(self, key, stored, None)
+            cached = getattr(self, "cached_hook_patches", {}).get(hooks, {})
+            if key in cached:
+                cached[key] = (_round_patched(self, key, stored, cached[key][0]), *cached[key][1:])
+        return out
+
     def clone(self, *args, **kwargs):
         n = super(cls, self).clone(*args, **kwargs)
         # some patchers' clone() gives the copy their own class (ComfyUI-GGUF's), which would drop this one's
@@ -276,7 +290,7 @@ def _phase_class(base: type) -> type:
     cls = type(f"LeversPhase{base.__name__}", (base,), {
         "_levers_phase_base": base, "partially_load": partially_load, "load": load,
         "unpatch_model": unpatch_model, "partially_unload": partially_unload, "clone": clone,
-        "patch_weight_to_device": patch_weight_to_device,
+        "patch_weight_to_device": patch_weight_to_device, "patch_hook_weight_to_device": patch_hook_weight_to_device,
         "__module__": __name__,
     })
     _CLASSES[base] = cls

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..core.errors import BudgetExceeded
 from ..core.residency import subclass
-from ..core.residency.blocks import BlockLayout, find_blocks, module_bytes
+from ..core.residency.blocks import BlockLayout, find_blocks, held_outside, module_bytes
 from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.pinned import PinMode, arena_pin_decision
 from ..core.residency.prefetch import AUTO, HostStore, PinDecider, PrefetchConfig, PrefetchHandle, \
@@ -500,9 +500,10 @@ class _Session:
         log.info("levers: %s", self.unloaded_stale)
 
     def _streamed_on_device(self) -> set[str]:
-        """Names of streamed blocks with a tensor (one ComfyUI does not load itself) off the host."""
-        tails = self.tails
-        return {n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in tails}
+        """Names of streamed blocks with a tensor (one ComfyUI does not load itself: not a split block's tail, not
+        one a module outside the streamed blocks holds too) off the host."""
+        own = self.tails | held_outside(self.root, self.streamed)
+        return {n for n, b in self.streamed for t in b.parameters() if t.device.type != "cpu" and id(t) not in own}
 
     def _reset_streamed_modules(self) -> None:
         """Drop lowvram cast state another clone may have left on streamed modules (its LoRA
@@ -653,7 +654,7 @@ class _Session:
         else:
             old = None
         store = HostStore(self.streamed, transport, exclude=tails, packed=packed,
-                          decide_pin=self._pin_decider(transport, tails), adopt=old)
+                          decide_pin=self._pin_decider(transport, tails), adopt=old, root=self.root)
         if old is not None:
             old.restore(transport)
             self.rebuilt = (store.adopted_bytes, sum(a.nbytes for a in store.arenas.values()),

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from comfyui_levers.core.errors import BudgetExceeded, ConfigError
-from comfyui_levers.core.residency.prefetch import (AUTO, PrefetchConfig, apply_group_prefetch, plan_groups,
-                                                    simulate_forward)
+from comfyui_levers.core.residency.blocks import find_blocks
+from comfyui_levers.core.residency.prefetch import (AUTO, HostStore, PrefetchConfig, apply_group_prefetch,
+                                                    plan_groups, simulate_forward)
 from comfyui_levers.core.residency.transport import CpuTransport, RecordingTransport
 from prefetch_toys import flux_inputs, make_flux, make_wan, wan_inputs
 
@@ -936,6 +937,50 @@ def test_a_tensor_shared_between_blocks_stays_resident_and_counts_in_the_budget(
             assert torch.equal(m(x, t), ref)
     finally:
         h.remove()
+
+
+def test_a_block_tensor_the_model_also_uses_outside_the_blocks_stays_resident():
+    """The head's layer is also a submodule of the last block: streamed, the head would run after the blocks with
+    the block's weights back on the host or in a slot the next group overwrites (on a GPU)."""
+    m, (x, t) = make_wan(n=6), wan_inputs()
+    m.blocks[5].alias = m.head
+    with torch.no_grad():
+        ref = m(x, t)
+    assert {n for n, _ in find_blocks(m).remainder} >= {"blocks.5.alias.weight", "blocks.5.alias.bias"}
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        assert {n for n, why in h.store.kept if "outside the streamed blocks" in why} == {
+            "blocks.5.alias.weight", "blocks.5.alias.bias"}
+        outside = sum(p.numel() * p.element_size() for n, p in m.named_parameters(remove_duplicate=False)
+                      if not n.startswith("blocks."))
+        assert h.remainder_bytes == outside
+        assert all(e.refs[0].get() is not m.head.weight for e in h.store.entries)
+        with torch.no_grad():
+            assert torch.equal(m(x, t), ref)
+    finally:
+        h.remove()
+
+
+def test_a_block_also_reachable_by_another_name_still_streams():
+    """Its own hooks run whichever name calls it."""
+    m = make_wan(n=6)
+    m.last = m.blocks[5]
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False), _rec(), bandwidth=0)
+    try:
+        assert h.store.kept == []
+    finally:
+        h.remove()
+
+
+def test_a_tensor_shared_with_a_block_outside_the_store_stays_resident():
+    """ComfyUI's node streams only the blocks after the resident prefix: a weight they share with a resident block
+    is in use while they are not."""
+    m = make_wan(n=6)
+    m.blocks[4].o.weight = m.blocks[1].o.weight
+    blocks = find_blocks(m).blocks
+    store = HostStore(blocks[2:], CpuTransport(), root=m)
+    assert [n for n, _ in store.kept] == ["blocks.4.o.weight"]
+    assert HostStore(blocks[2:], CpuTransport()).kept == []
 
 
 def test_the_reported_device_bytes_add_up_to_the_plan():

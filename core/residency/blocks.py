@@ -158,6 +158,29 @@ def _fallback(root: nn.Module, min_share: float) -> list[tuple[str, nn.Module]]:
     return items
 
 
+def held_outside(root: nn.Module, blocks) -> frozenset[int]:
+    """Ids of the tensors of ``blocks`` ((name, module) pairs) that a module of ``root`` outside them also holds (a
+    weight tied to the final layer, a layer of a block that the model also calls by another name). Such a tensor is
+    in use while its block is not running, so it cannot stream. A block module held under a second name is not
+    outside: its own hooks run whichever name calls it."""
+    block_ids = {id(m) for _, m in blocks}
+    inside: set[int] = set()
+    for _, m in blocks:
+        inside.update(id(t) for t in m.parameters())
+        inside.update(id(t) for t in m.buffers())
+    held: set[int] = set()
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen or id(mod) in block_ids:
+            continue
+        seen.add(id(mod))
+        held.update(id(t) for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None)
+        stack.extend(c for c in mod._modules.values() if c is not None)
+    return frozenset(held & inside)
+
+
 def find_blocks(model: nn.Module, min_share: float = 0.5) -> BlockLayout:
     """Blocks of ``model`` in execution order plus the remainder.
 
@@ -179,10 +202,11 @@ def find_blocks(model: nn.Module, min_share: float = 0.5) -> BlockLayout:
     for _, m in blocks:
         in_blocks.update(id(t) for t in m.parameters())
         in_blocks.update(id(t) for t in m.buffers())
+    shared = held_outside(root, blocks)     # in a block and outside it: the remainder's too
     remainder = []
     seen: set[int] = set()
     for name, t in list(root.named_parameters()) + list(root.named_buffers()):
-        if id(t) in in_blocks or id(t) in seen:
+        if (id(t) in in_blocks and id(t) not in shared) or id(t) in seen:
             continue
         seen.add(id(t))
         remainder.append((name, t))

@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import BudgetExceeded, ConfigError
 from . import subclass
-from .blocks import BlockLayout, entry_exit, find_blocks
+from .blocks import BlockLayout, entry_exit, find_blocks, held_outside
 from .packed import (PACKABLE, PackedArena, pack, packed_nbytes, packing_supported, repack_ranges, staging_caps,
                      staging_nbytes, unpack)
 from .transport import PinResult, Transport, note_compute, tensor_nbytes
@@ -271,7 +271,8 @@ class HostStore:
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], transport: Transport, pin: bool = True,
                  exclude: frozenset[int] = frozenset(), packed: bool = False, unpinned_reason: str = "",
-                 decide_pin: PinDecider | None = None, adopt: "HostStore | None" = None):
+                 decide_pin: PinDecider | None = None, adopt: "HostStore | None" = None,
+                 root: nn.Module | None = None):
         """``exclude``: ids of block tensors the caller keeps on the device itself (ComfyUI loads
         them); they are neither streamed nor counted in this engine's budget. ``packed``: also keep
         the bf16 arena losslessly packed (``packed.py``); that form is pinned and streams instead.
@@ -286,7 +287,11 @@ class HostStore:
         ``adopt``: the store these blocks' copy was built in before (a rebuild for another layout, after its
         ``restore(keep=...)``). Each of its segments whose weights are all streamed here again, laid out the same, is
         taken over as it is (no copy, no pin when it was pinned; ``adopted_bytes``); its other segments are copied
-        from as usual. The old store then holds only what was not taken over; restore it next."""
+        from as usual. The old store then holds only what was not taken over; restore it next.
+
+        ``root``: the model the blocks belong to. A block tensor that a module of it outside ``blocks`` also holds
+        (``held_outside``) is in use while its block is not running: it stays on the device, like a tensor shared
+        between two blocks."""
         self._decide_pin = decide_pin
         self._unpinned_reason = unpinned_reason or "pinning disabled"
         self._pin = pin
@@ -323,7 +328,7 @@ class HostStore:
         self.inference = any(x.is_inference() for _, b in blocks for t in list(b.parameters()) + list(b.buffers())
                              for x in ([t] if _is_plain(t) or subclass.is_storage(t)
                                        else [x for _, x in subclass.leaves(t) or []]))
-        self._collect(blocks)
+        self._collect(blocks, held_outside(root, blocks) if root is not None else frozenset())
         # a rebuild: the old store's segments this copy takes over, and those taken so far (ids; during the build)
         self._adopt = self._adoptable(adopt)
         if adopt is not None:
@@ -354,7 +359,7 @@ class HostStore:
         self._adopted = set()
 
     # layout ------------------------------------------------------------------------------
-    def _collect(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+    def _collect(self, blocks: Sequence[tuple[str, nn.Module]], outside: frozenset[int]) -> None:
         owners: dict[int, set[int]] = {}
         for b, (_, block) in enumerate(blocks):
             for t in list(block.parameters()) + list(block.buffers()):
@@ -398,6 +403,8 @@ class HostStore:
                         why, inner = None, None
                         if len(owners[id(t)]) > 1:
                             why = "shared between blocks"
+                        elif id(t) in outside:
+                            why = "also held outside the streamed blocks"
                         elif not _is_plain(t) and not subclass.is_storage(t):
                             inner = subclass.leaves(t)
                             if inner is None:
@@ -2112,7 +2119,8 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
     # probed only when asked for: on a GPU the first probe self-checks the unpack kernel (a sync)
     pack_ok, pack_why = packing_supported(transport.device) if config.packed else (False, "not asked for")
     if store is None:
-        store = HostStore(layout.blocks, transport, pin=config.pin, packed=config.packed and pack_ok)
+        store = HostStore(layout.blocks, transport, pin=config.pin, packed=config.packed and pack_ok,
+                          root=layout.root)
     else:
         store.refresh(transport)
     budget = _auto_budget(module, transport.device) if config.budget_bytes == AUTO else float(config.budget_bytes)

@@ -72,6 +72,22 @@ def test_comfy_accounting_sees_only_the_resident_part(comfy_env, tiny_wan):
     assert clone.model_size() == module_bytes(clone.model)   # the true size again after the run
 
 
+def test_a_weight_a_streamed_block_shares_with_a_resident_block_stays_loaded(comfy_env, tiny_wan):
+    """The resident block uses it while the streamed one is not running: streamed, it would sit on the host (or in a
+    slot another group overwrites) when the resident block runs on a GPU, and the node would take its placement for
+    blocks left on the device by an earlier load."""
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    dm.blocks[3].self_attn.o.weight = dm.blocks[0].self_attn.o.weight
+    ref = tiny_wan.sample(model)["samples"]
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=1)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats["kept_unstreamed"] == 1, state.last_report
+    assert "not streamed: blocks.3.self_attn.o.weight (also held outside the streamed blocks)" in state.last_report, \
+        state.last_report
+    assert "unloaded this model first" not in state.last_report
+
+
 def test_lora_patches_on_streamed_blocks_are_streamed_patched(comfy_env, tiny_wan):
     model = tiny_wan.load_model()
     sd = model.model.diffusion_model.state_dict()

@@ -544,6 +544,43 @@ def test_a_clip_lora_after_the_node_is_bit_identical(comfy_env, tiny_wan):
     assert torch.equal(_encode(comfy_env, c, x), _encode(comfy_env, clip, x))     # the node's own output unpatched
 
 
+@pytest.mark.parametrize("mode", ["MaxSpeed", "MinVram"])
+def test_clip_weight_hooks_on_the_fp32_copy_are_rounded_as_comfyui_rounds_them(comfy_env, tiny_wan, mode):
+    """Found in review: a weight hook on the CLIP (a hook LoRA, CreateHookModelAsLora, scheduled CLIP hooks) patched
+    the fp32 copy unrounded where ComfyUI rounds the hooked weight to the stored fp16. Bit-identical now, also when
+    ComfyUI reapplies its cached hooked weights (MaxSpeed) and after the hooks come off."""
+    import comfy.hooks
+
+    _, clip, patch, x = _fp16_clip_and_lora(comfy_env)
+    target = {"0.weight": clip.cond_stage_model[0].weight.float() + patch["0.weight"][0]}
+
+    def hooked(c):
+        hooks = comfy.hooks.create_hook_model_as_lora(None, target, 1.0, 0.7)
+        c = c.clone()
+        c.patcher.hook_mode = getattr(comfy.hooks.EnumHookMode, mode)
+        c.patcher.forced_hooks = hooks.clone()
+        c.patcher.register_all_hook_patches(hooks, comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Clip))
+        return c, hooks
+
+    def encode(c, hooks):
+        c.load_model()
+        outs = []
+        with torch.no_grad():
+            for h in (hooks, None, hooks):      # the second time from ComfyUI's cache of hooked weights (MaxSpeed)
+                c.patcher.patch_hooks(h)
+                outs.append(c.cond_stage_model(x).clone())
+        c.patcher.patch_hooks(None)
+        comfy_env.mm.unload_all_models()
+        return outs
+
+    ref = encode(*hooked(clip))
+    assert not torch.equal(ref[0], ref[1]) and torch.equal(ref[0], ref[2])        # the hook applies and comes off
+    _, c, _, report = _run_node(comfy_env, tiny_wan.load_model(), clip, None, text_encoder_device="cpu")
+    assert c.cond_stage_model[0].weight.dtype == torch.float32, report
+    got = encode(*hooked(c))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_a_release_comfyui_copies_itself_is_counted_in_the_ledger(comfy_env, tiny_wan):
     """Found in review: when the same model is also sampled by a branch without the node, ComfyUI tracks it under
     that branch's patcher, and the release at the next phase is ComfyUI's own copy back to the host; the ledger said
