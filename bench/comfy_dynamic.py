@@ -147,6 +147,8 @@ def run(args, out: dict) -> None:
         comfy.memory_management.aimdo_enabled = True      # the layers' constructors read it
     mm, mp, ops, dev = c["mm"], c["mp"], c["ops"], c["device"]
     out["comfyui_version"] = c["version"]
+    if args.dtype:    # the parent's weight dtype, which its reference output was computed in
+        gs.DTYPE["value"] = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     spec = {"flux": gs.FLUX, "wan": gs.WAN}[args.model]
     if args.smoke:
         spec = {"flux": gs.SMOKE_FLUX, "wan": gs.SMOKE_WAN}[args.model]
@@ -196,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--comfyui", required=True, help="a DynamicVRAM-era ComfyUI checkout (0.15+)")
     p.add_argument("--model", choices=("flux", "wan"), default="flux")
     p.add_argument("--budget-gib", type=float, required=True, help="emulated card (GiB)")
-    p.add_argument("--total-bytes", type=int, required=True, help="the real card's memory (from the parent)")
+    p.add_argument("--total-bytes", type=int, required=True,
+                   help="the card's free memory before this process starts (from the parent)")
     p.add_argument("--ref", help="reference output (torch.save) of the resident model, for bit-exactness")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), help="weight dtype (default: the suite's, bf16)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seconds", type=float, default=60.0, help="stop timing steps after this long")

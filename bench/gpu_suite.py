@@ -591,10 +591,14 @@ class HostWeights:
             self._pin()
 
     def _pin(self) -> None:
-        from comfyui_levers.core.residency.transport import pin_in_place
+        from comfyui_levers.core.residency.transport import pin_in_place, pinned_by_levers
         t0 = time.perf_counter()
         reasons = set()
         for t in self.tensors.values():
+            if pinned_by_levers(t):
+                # a GroupPrefetch arena view: the store's pin covers it. pin_in_place would take a use of the store's
+                # range that nothing gives back, so the arena would never be unregistered (freed while page-locked)
+                continue
             res = pin_in_place(t)
             if res.pinned and res.reason == "pinned in place":
                 self._pinned.append(t)
@@ -1300,7 +1304,8 @@ def run_dit_model(suite: Suite, spec: DiTSpec, rec: dict, deadline: float) -> No
     warmup, iters = (1, 1) if smoke else ((1, 3) if spec.family == "flux" else (1, 2))
     if suite.left(deadline) < 10 and not smoke:
         raise Skip("section deadline reached before building this model")
-    log(f"-- dit/{spec.name}: building {model_bytes(spec) / GIB:.1f} GiB of random bf16 weights in host RAM")
+    log(f"-- dit/{spec.name}: building {model_bytes(spec) / GIB:.1f} GiB of random "
+        f"{str(DTYPE['value']).removeprefix('torch.')} weights in host RAM")
     host = HostWeights(make_meta_model(spec), pin=False)
     rec.update({"weights_bytes": host.nbytes, "block_bytes": block_bytes(spec), "host_fill_s": rnd(host.fill_s, 2)})
     log(f"   filled in {host.fill_s:.1f}s")
@@ -1872,14 +1877,23 @@ def sec_dynamic(suite: Suite, sec: dict, deadline: float) -> None:
     path = suite.args.comfyui_dynamic
     if not path:
         raise Skip("no --comfyui-dynamic PATH (a DynamicVRAM-era ComfyUI, 0.15+, with comfy-aimdo installed)")
-    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 64 * GIB
     free_device_memory(dev)
+    if dev.type == "cuda":
+        # comfy-aimdo keeps --vram-headroom free counting every process on the card (ComfyUI's help text): this
+        # process's context, cuBLAS/Triton state and cached blocks stay on the card while the child runs. Taking the
+        # headroom from the card's size would charge them to DynamicVRAM's budget (Levers' cap excludes them), so
+        # the child is told what is free now.
+        free_now, card = torch.cuda.mem_get_info(dev)
+        total = int(free_now)
+        sec["parent_device_used_bytes"] = int(card - free_now)
+    else:
+        total = 64 * GIB
     dit = suite.results["sections"].get("dit", {}).get("models", {})
     cases: list[dict[str, Any]] = []
     sec.update({"comfyui": str(path), "cases": cases,
                 "note": "ComfyUI's ModelPatcherDynamic + comfy-aimdo on the suite's DiT (same seeded weights and "
                         "inputs), one process per case; the card is emulated with aimdo's VRAM headroom "
-                        "(total - budget, ComfyUI's --vram-headroom) and ComfyUI's free-memory reads; "
+                        "(free memory at the case's start - budget, ComfyUI's --vram-headroom, which counts every process) and ComfyUI's free-memory reads; "
                         "device_used_after_step = device memory in use after each step minus before the load"})
     for item in suite.args.dynamic_cases.split(","):
         model, _, gib = item.partition(":")
@@ -1892,6 +1906,7 @@ def sec_dynamic(suite: Suite, sec: dict, deadline: float) -> None:
             continue
         cmd = [sys.executable, str(ROOT / "bench" / "comfy_dynamic.py"), "--comfyui", str(path), "--model", model,
                "--budget-gib", gib, "--total-bytes", str(total), "--seconds", f"{max(5.0, min(40.0, left - 25)):.0f}"]
+        cmd += ["--dtype", {torch.bfloat16: "bf16", torch.float32: "fp32"}[DTYPE["value"]]]
         ref = suite.scratch / f"ref-{model}.pt"
         if ref.is_file():
             cmd += ["--ref", str(ref)]
@@ -2178,9 +2193,19 @@ def run_vae_cases(suite: Suite, sec: dict, deadline: float) -> None:
             f"PSNR {img['psnr_db']} dB")
         del out
     free_device_memory(dev)
-    _vae_auto_third(suite, tiling, sec, staged, z, ref, halo, whole, base, deadline)
-    _vae_layered(suite, tiling, sec, staged, z, ref, whole, base, deadline)
-    _vae_deeper_stem(suite, tiling, sec, dec, z, ref, whole, base, deadline, make, blocks)
+    # each new image case records its own failure: one raising must not cost the video and LTX cases below
+    for key, case in (("image_auto_third", lambda: _vae_auto_third(suite, tiling, sec, staged, z, ref, halo, whole,
+                                                                    base, deadline)),
+                      ("image_layered", lambda: _vae_layered(suite, tiling, sec, staged, z, ref, whole, base, deadline)),
+                      ("image_deeper_stem", lambda: _vae_deeper_stem(suite, tiling, sec, dec, z, ref, whole, base,
+                                                                     deadline, make, blocks))):
+        try:
+            case()
+        except Exception as exc:  # noqa: BLE001
+            sec[key] = {"status": "oom" if is_oom(exc) else "failed", "reason": short_exc(exc),
+                        "traceback": traceback.format_exc(limit=8)[-2500:]}
+            log(f"  {key} {sec[key]['status']}: {short_exc(exc, 200)}")
+        free_device_memory(dev)
     for name, case in (("video", _video_case), ("ltx_streamed", _ltx_streamed_case)):
         if not smoke and suite.left(deadline) < 8:
             sec[name] = {"status": "skipped", "reason": "section deadline"}
@@ -3033,8 +3058,10 @@ def main(argv: list[str] | None = None) -> int:
             suite.results["skipped"].append(f"comfyui baseline: {suite.comfy.reason}")
     gc.freeze()    # imports are done: keep their objects out of every later gc.collect()
     order = [s for s in SECTION_ORDER if s in args.sections]
+    # a section that will only say "skipped" (no ComfyUI path for it) takes none of dit's time
+    idle = {s for s, path in (("comfy_phase", args.comfyui), ("dynamic", args.comfyui_dynamic)) if not path}
     for i, name in enumerate(order):
-        reserve = sum(SECTION_SECONDS[s] for s in order[i + 1:]) * (0.8 if name == "dit" else 0.0)
+        reserve = sum(SECTION_SECONDS[s] for s in order[i + 1:] if s not in idle) * (0.8 if name == "dit" else 0.0)
         seconds = SECTION_SECONDS[name] if not args.smoke else 60
         suite.run_section(name, SECTIONS[name], seconds, reserve_after=reserve if not args.smoke else 0.0)
     suite.results["summary"] = build_summary(suite.results)

@@ -327,3 +327,52 @@ def test_bench_refuses_arguments_it_cannot_honour_before_running(change, needle,
         setattr(ns, key, value)
     assert benchmark.run(ns) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_suite_host_weights_give_back_every_pin_use_they_take(monkeypatch):
+    """Found in review: on CUDA the DiT section pinned its host weights after GroupPrefetch's copy had taken their
+    place; each weight inside the copy's page-locked segments took a use of that range that nothing gave back, so
+    the copy was never unregistered (freed while page-locked), and the later sections' RAM rule counted ~48 GiB as
+    pinned by Levers and left the in-ComfyUI cases unpinned. cudaHostRegister is faked: nothing is page-locked."""
+    import torch
+
+    from comfyui_levers.core.residency import transport as tr
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, n, flags):
+            calls.append(("register", ptr))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    class PinningCpu(tr.CpuTransport):
+        def pin(self, t):
+            return tr.pin_in_place(t)
+
+        def unpin(self, t):
+            tr.unpin_in_place(t)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: False)
+    monkeypatch.setattr(tr.HostMaps, "recent", classmethod(lambda cls, max_age_s=None: type(
+        "W", (), {"writable": staticmethod(lambda ptr, n: True)})()))
+    monkeypatch.setattr(tr, "make_transport", lambda device=None, record=False: PinningCpu())
+    monkeypatch.setattr(tr, "_REGISTERED", {})
+    monkeypatch.setattr(tr, "_STARTS", [])
+    gs = _load_suite()
+    monkeypatch.setitem(gs.DTYPE, "value", torch.float32)
+    host = gs.HostWeights(gs.make_meta_model(gs.SMOKE_FLUX), pin=False)
+    lev = gs.LeversPrefetch(gs.Pieces())
+    lev.build_store(gs.SMOKE_FLUX, host, torch.device("cpu"))
+    registered = {p for op, p in calls if op == "register"}
+    assert registered and tr._REGISTERED
+    host._pin()                                  # what run_dit_model does on CUDA
+    lev.close()
+    host.release()
+    assert {p for op, p in calls if op == "unregister"} == {p for op, p in calls if op == "register"} >= registered
+    assert tr._REGISTERED == {} and tr._STARTS == []
