@@ -553,19 +553,70 @@ def measure_layered(vae, staged: StagedDecoder, latent: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------- memory
-def free_other_models(vae) -> str:
-    """Unload every model but this VAE from the VAE's device through ComfyUI's memory manager."""
+def free_other_models(vae, plan=None) -> str:
+    """Unload every model but this VAE from the VAE's device through ComfyUI's memory manager, except the ones kept
+    on the GPU across phases on purpose (``_kept_resident``): unloading those would cost a copy home and a reload
+    every generation."""
     import comfy.model_management as mm
 
     dev = torch.device(vae.device)
     if dev.type == "cpu":
         return "VAE runs on the CPU: nothing to unload"
+    keep, why = _kept_resident(mm, plan)
     before = mm.get_free_memory(dev)
-    mm.unload_all_models()
+    # ComfyUI books a model under its load device (``cuda:0``); a VAE may name the device without its index
+    for d in {lm.device for lm in mm.current_loaded_models if _same_device(lm.device, dev)}:
+        mm.free_memory(1e30, d, keep_loaded=keep)
     mm.soft_empty_cache()
     mm.load_models_gpu([vae.patcher], force_full_load=getattr(vae, "disable_offload", False))
     after = mm.get_free_memory(dev)
-    return f"unloaded other models: free {before / GIB:.2f} -> {after / GIB:.2f} GiB (VAE loaded)"
+    line = f"unloaded other models: free {before / GIB:.2f} -> {after / GIB:.2f} GiB (VAE loaded)"
+    if why:
+        line += "; kept loaded: " + "; ".join(why)
+    return line
+
+
+def _same_device(a, b: torch.device) -> bool:
+    a = torch.device(a)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _kept_resident(mm, plan) -> tuple[list, list[str]]:
+    """The loaded models that stay through the decode, and why: a PhaseOffload component the plan keeps on the GPU
+    across phases, or (no PhaseOffload) the diffusion model or text encoder a connected plan keeps resident."""
+    from ..core.types import Residency
+    from .phase import _component
+
+    def planned_resident(name: str) -> bool:
+        try:
+            c = plan.component(name) if plan is not None else None
+        except (KeyError, AttributeError):
+            return False
+        return c is not None and getattr(c, "residency", None) is Residency.RESIDENT
+
+    try:
+        from comfy.model_base import BaseModel
+    except ImportError:        # pragma: no cover - every ComfyUI has it
+        BaseModel = ()
+    keep, why = [], []
+    for lm in list(mm.current_loaded_models):
+        patcher = getattr(lm, "model", None)
+        if patcher is None:
+            continue
+        comp = _component(patcher)
+        if comp is not None:
+            reason = "PhaseOffload keeps it on the GPU across phases (the plan's residency)" if comp.resident else None
+            name = comp.name
+        elif isinstance(getattr(patcher, "model", None), BaseModel) and planned_resident("diffusion_model"):
+            name, reason = "diffusion_model", "the plan keeps it resident"
+        elif getattr(patcher, "is_clip", False) and planned_resident("text_encoder"):
+            name, reason = "text_encoder", "the plan keeps it resident"
+        else:
+            continue
+        if reason:
+            keep.append(lm)
+            why.append(f"{name} ({reason})")
+    return keep, why
 
 
 def budget_bytes(vae, settings: TiledDecodeSettings) -> tuple[int, str]:
@@ -736,7 +787,7 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                           "let the node size the tiles.")
     rep.add(f"VAE: {type(vae.first_stage_model).__name__} ({why}); latent {tuple(samples.shape)}")
     if settings.free_other_models:
-        rep.add(free_other_models(vae))
+        rep.add(free_other_models(vae, plan))
     mm.load_models_gpu([vae.patcher], force_full_load=getattr(vae, "disable_offload", False))
     budget, budget_why = budget_bytes(vae, settings)
     rep.add(budget_why)

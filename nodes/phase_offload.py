@@ -80,7 +80,7 @@ class LeversPhaseOffload(io.ComfyNode):
                 io.Combo.Input("text_encoder_precision", options=["auto", "fp32", "bf16", "fp16"], default="auto",
                                tooltip="Weight dtype of the text encoder. auto keeps ComfyUI's, except 16-bit weights "
                                        "on the CPU become fp32 (a private copy; the input CLIP is untouched). LoRA'd "
-                                       "weights in a wider copy are rounded to the stored precision as ComfyUI rounds "
+                                       "and hooked weights (CLIP weight hooks) in a wider copy are rounded to the stored precision as ComfyUI rounds "
                                        "them, so the result is bit-identical (LoRA before or after the node); "
                                        "quantized (fp8) weights are always kept as stored."),
                 io.Model.Input("model_2", optional=True,

@@ -52,7 +52,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                                        "(faster, less accurate, on small images below VAEDecodeTiled; images only); exact: whole image at once (untiled memory)."),
                 io.Boolean.Input("unload_other_models", default=True,
                                  tooltip="Unload the diffusion model and text encoder through ComfyUI's memory "
-                                         "manager before decoding (they reload on the next run)."),
+                                         "manager before decoding (they reload on the next run). A model the "
+                                         "plan keeps resident (on PhaseOffload, or in the connected plan) "
+                                         "stays loaded."),
             ],
             outputs=[io.Image.Output(display_name="IMAGE",
                                      tooltip="The decoded images (video frames in order), as VAEDecode gives them."),

@@ -934,3 +934,46 @@ def test_a_component_the_plan_keeps_resident_stays_on_the_gpu_across_phases(comf
     assert not _dit_entries(comfy_env, plain.model.model)
     with pytest.raises(ValueError, match="resident"):
         PhaseSettings(resident=("diffusion_model_2",))
+
+
+def _is_loaded(env, patcher) -> bool:
+    return any(lm.model is patcher for lm in env.mm.current_loaded_models)
+
+
+@pytest.mark.parametrize("how", ["phase_offload", "plan_only"])
+def test_tiled_vae_decode_keeps_loaded_what_the_plan_keeps_resident(comfy_env, tiny_wan, monkeypatch, how):
+    """Found in review: TiledVAEDecode's unload_other_models (on in every shipped example, which connect the plan to
+    both nodes) unloaded everything, so a diffusion model the plan keeps on the GPU across phases (PhaseOffload's
+    promise: ComfyUI loads it once) was copied home and reloaded every generation. It now stays; a component the
+    plan moves is still unloaded. No GPU here: the VAE's device reads as CUDA for the node's CPU check."""
+    from comfyui_levers.bridge import vae as bv
+    from comfyui_levers.bridge.phase import PhaseSettings, apply
+    from comfyui_levers.core.types import Residency
+
+    env = comfy_env
+    env.mm.unload_all_models()
+
+    def plan_with(residency):
+        comps = {"diffusion_model": SimpleNamespace(name="diffusion_model", residency=residency)}
+        return SimpleNamespace(component=lambda name: comps[name])
+
+    for residency in (Residency.RESIDENT, Residency.PHASE):
+        if how == "phase_offload":
+            resident = ("diffusion_model",) if residency is Residency.RESIDENT else ()
+            out = apply(_host_offload(tiny_wan.load_model()), None, tiny_wan.load_vae(),
+                        PhaseSettings(resident=resident))
+            model, vae, plan = out.model, out.vae, None
+        else:
+            model, vae, plan = tiny_wan.load_model(), tiny_wan.load_vae(), plan_with(residency)
+        tiny_wan.sample(model)
+        env.mm.load_models_gpu([model])
+        assert _is_loaded(env, model)
+        monkeypatch.setattr(vae, "device", torch.device("cuda", 0))      # the models' CPU stands in for its GPU
+        monkeypatch.setattr(bv, "_same_device", lambda a, b: True)
+        monkeypatch.setattr(env.mm, "get_free_memory",
+                            lambda dev=None, torch_free_too=False: (0, 0) if torch_free_too else 0)
+        line = bv.free_other_models(vae, plan)
+        monkeypatch.undo()
+        assert _is_loaded(env, model) is (residency is Residency.RESIDENT), line
+        assert ("kept loaded: diffusion_model" in line) is (residency is Residency.RESIDENT), line
+        env.mm.unload_all_models()
