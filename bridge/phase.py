@@ -338,6 +338,35 @@ def install(patcher, comp: Component) -> None:
     patcher.attachments[ATTACHMENT] = comp
 
 
+def detach_for_new_model(patcher) -> Component | None:
+    """The component a clone carried over onto ``patcher`` although it holds another model now (QuantizeDiT's
+    quantized copy of a PhaseOffload output): taken off, with the patcher's stock class back, so ComfyUI loads the
+    new model unmanaged until ``manage_new_model`` hands it the component's place. None when there is none."""
+    comp = _component(patcher)
+    if comp is None or patcher.model is comp.module:
+        return None
+    patcher.attachments.pop(ATTACHMENT, None)
+    base = getattr(type(patcher), "_levers_phase_base", None)
+    if base is not None:
+        patcher.__class__ = base
+    return comp
+
+
+def manage_new_model(old: Component, patcher) -> str:
+    """``patcher``'s model takes ``old``'s place in its PhaseOffload group: it gets the GPU only during its phase,
+    is released before the others, and its host copy is adopted (and pinned) as the masters. The model it replaces
+    is not sampled through this branch: its masters are let go (unpinned; captured again if something else loads
+    it). Returns the report line."""
+    group = old.group
+    current = group.components.get(old.name)
+    if current is not None and current.table is not None:
+        current.table.release()
+    comp = group.add(old.name, patcher)
+    comp.stage(patcher)
+    return (f"PhaseOffload (before this node) manages the quantized model as its {old.name}: it holds the GPU only "
+            f"during its phase; the input model's host copy is no longer pinned")
+
+
 def remove_phase_offload(patcher) -> None:
     """Give ``patcher`` its stock class and behaviour back (weights stay where ComfyUI put them)."""
     base = getattr(type(patcher), "_levers_phase_base", None)

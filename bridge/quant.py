@@ -673,6 +673,10 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     new, report = quantize_patcher(model, config)
     report.notes[:0] = notes
     passed = new is model
+    # after PhaseOffload: the copy carried its component, which describes the input model; the quantized model runs
+    # unmanaged through the quality check and the save, then takes the input's place in the PhaseOffload group
+    from .phase import detach_for_new_model, manage_new_model
+    phase_comp = None if passed else detach_for_new_model(new)
     text = (report.format_text() if not passed else
             f"QuantizeDiT: passed through unchanged; the requested {config.format} {config.granularity} was not "
             "applied\n" + "\n".join(f"  note: {n}" for n in report.notes))
@@ -683,29 +687,37 @@ def quantize_node(model, fmt: str = "auto", granularity: str = "auto", keep_firs
     elif quality_check_enabled:
         text += "\n  quality check skipped: the input is already quantized (nothing to compare)"
     if path is not None:
-        held = config
-        if passed:    # the file says what the model holds, not what this node was asked for
-            held, why = held_config(model.model.diffusion_model)
-            if held is None:
-                line = (f"not saved: the input passed through as already quantized, and {why}. Set save_path on the "
-                        "QuantizeDiT that quantized it, or quantize the original file with `levers quantize`")
-                log.warning("levers: QuantizeDiT %s", line)
-                return new, f"{text}\n{line}"
-            text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
-        # the quality check (or an earlier run) loaded it through ComfyUI, which merged the patcher's LoRA into the
-        # weights: unloaded first, so the file holds the base weights its report promises
-        unload_entries_of(new.model)
-        save_quantized(new, path, held, report.arch)
-        loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held) else
-                    "nf4 in bitsandbytes' layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion "
-                    "Model fails on it" if str(held.format) == "nf4" else
-                    "Levers layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion Model "
-                    "reads it without its scales, with wrong output and no error; see the README, QuantizeDiT: "
-                    "File layouts")
-        text += f"\nsaved: {path} ({loadable})"
-        if model.patches:
-            # the file holds the module's tensors: ComfyUI keeps a LoRA as patches on the patcher, applied at load
-            text += (f"\n  note: the input's weight patches ({len(model.patches)} weights, a LoRA or other model "
-                     "patch) are not in the file: it holds the base weights quantized; apply the same LoRA after "
-                     "the loader, or quantize before the LoRA")
+        text = _save(model, new, path, config, report, text, passed)
+    if phase_comp is not None:
+        text += "\n  note: " + manage_new_model(phase_comp, new)
     return new, text
+
+
+def _save(model, new, path, config: QuantConfig, report, text: str, passed: bool) -> str:
+    """Save ``new`` to ``path`` (QuantizeDiT's save_path); the report text with what was saved, or why not."""
+    held = config
+    if passed:    # the file says what the model holds, not what this node was asked for
+        held, why = held_config(model.model.diffusion_model)
+        if held is None:
+            line = (f"not saved: the input passed through as already quantized, and {why}. Set save_path on the "
+                    "QuantizeDiT that quantized it, or quantize the original file with `levers quantize`")
+            log.warning("levers: QuantizeDiT %s", line)
+            return f"{text}\n{line}"
+        text += f"\n  saved as the model holds it: {held.format} {held.granularity}"
+    # the quality check (or an earlier run) loaded it through ComfyUI, which merged the patcher's LoRA into the
+    # weights: unloaded first, so the file holds the base weights its report promises
+    unload_entries_of(new.model)
+    save_quantized(new, path, held, report.arch)
+    loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held) else
+                "nf4 in bitsandbytes' layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion "
+                "Model fails on it" if str(held.format) == "nf4" else
+                "Levers layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion Model "
+                "reads it without its scales, with wrong output and no error; see the README, QuantizeDiT: "
+                "File layouts")
+    text += f"\nsaved: {path} ({loadable})"
+    if model.patches:
+        # the file holds the module's tensors: ComfyUI keeps a LoRA as patches on the patcher, applied at load
+        text += (f"\n  note: the input's weight patches ({len(model.patches)} weights, a LoRA or other model "
+                 "patch) are not in the file: it holds the base weights quantized; apply the same LoRA after "
+                 "the loader, or quantize before the LoRA")
+    return text

@@ -977,3 +977,40 @@ def test_tiled_vae_decode_keeps_loaded_what_the_plan_keeps_resident(comfy_env, t
         assert _is_loaded(env, model) is (residency is Residency.RESIDENT), line
         assert ("kept loaded: diffusion_model" in line) is (residency is Residency.RESIDENT), line
         env.mm.unload_all_models()
+
+
+def test_quantize_dit_after_the_node_puts_the_quantized_model_in_the_phase_group(comfy_env, tiny_wan):
+    """Found in review: PhaseOffload -> QuantizeDiT -> KSampler. The quantized copy carried the node's component,
+    which described the input model: the quantized model was never released before the decode (the VAE OOM the node
+    exists to prevent) nor swapped, and the input's masters stayed pinned for a model nothing sampled. The quantized
+    model now takes the input's place in the group: bit-identical to QuantizeDiT before the node, released at the
+    decode phase, and adopted as the masters; the input model's masters are let go."""
+    from comfyui_levers.bridge.phase import ATTACHMENT
+
+    env = comfy_env
+    quant = next(c for c in env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+
+    def quantize(m):
+        out = quant.execute(m, format="fp8_e4m3fn", quality_check=True)
+        return (out.args if hasattr(out, "args") else out.result)
+
+    env.mm.unload_all_models()
+    want = tiny_wan.sample(quantize(_host_offload(tiny_wan.load_model()))[0])["samples"]
+    env.mm.unload_all_models()
+    m, _, v, _ = _run_node(env, _host_offload(tiny_wan.load_model()), None, tiny_wan.load_vae())
+    old = m.attachments[ATTACHMENT]
+    assert old.table is not None and old.table.masters          # staged: the input's masters
+    q, text = quantize(m)
+    assert "manages the quantized model as its diffusion_model" in text, text
+    assert "quality check: output PSNR" in text, text
+    comp = q.attachments[ATTACHMENT]
+    assert comp.module is q.model and comp.group is old.group and comp.group.components["diffusion_model"] is comp
+    assert not old.table.masters                                # the input's masters let go (unpinned)
+    assert m.attachments[ATTACHMENT] is old and m.model is old.module      # the node's own output unchanged
+    latent = tiny_wan.sample(q)
+    assert torch.equal(latent["samples"], want)
+    assert _dit_entries(env, q.model)
+    tiny_wan.decode(v, latent)
+    assert not _dit_entries(env, q.model), "the quantized model stayed loaded through the decode phase"
+    phases = [p["phase"] for p in comp.group.ledger()["run"]["phases"]]
+    assert phases[-2:] == ["sample", "decode"], phases
