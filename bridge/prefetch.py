@@ -170,6 +170,36 @@ def _own_storage(t: torch.Tensor, arenas: list[tuple[int, int]]) -> None:
                 x.data = subclass.plain(x.data).clone()
 
 
+def unshare_host_copy(module: nn.Module, source_root: nn.Module) -> int:
+    """Give the tensors of ``module`` storage of their own where they point into GroupPrefetch's host copy of
+    ``source_root`` (QuantizeDiT's copy of a model shares the tensors it keeps in full precision: norms, biases,
+    modulation). The copy is rewritten in place whenever a LoRA on the source's streamed weights changes, which
+    would change the copy's output. Parameters of ``module`` are its own objects (their data is rebound); a
+    buffer may be the source's own object, so the module gets a new one. Returns the bytes copied."""
+    cached = _STORES.get(source_root)
+    if cached is None:
+        return 0
+    ranges = [r for a in cached[1].arenas.values() for r in a.ranges()]
+
+    def inside(t) -> bool:
+        return isinstance(t, torch.Tensor) and subclass.is_plain(t) and any(lo <= t.data_ptr() < hi
+                                                                           for lo, hi in ranges)
+    copied = 0
+    with torch.no_grad():
+        for mod in module.modules():
+            for k, t in list(mod._parameters.items()):
+                if inside(t) and type(t) is nn.Parameter:
+                    with torch.inference_mode(t.is_inference()):
+                        t.data = t.data.clone()
+                    copied += tensor_nbytes(t)
+            for k, t in list(mod._buffers.items()):
+                if inside(t):
+                    with torch.inference_mode(t.is_inference()):
+                        mod._buffers[k] = t.clone()
+                    copied += tensor_nbytes(t)
+    return copied
+
+
 def _stream_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors a weight streams as: itself, or a wrapper subclass's inner tensors (fp8 codes and scale)."""
     inner = None if subclass.is_plain(t) or subclass.is_storage(t) else subclass.leaves(t)

@@ -255,6 +255,8 @@ def quantize_patcher(patcher, config: QuantConfig, arch: str | None = None, meas
     # quantize in place on the COPY's diffusion model; the census sees the diffusion model's own names
     report = quantize_module(new_model.diffusion_model, config, arch=arch, make_layer=make, measure=measure,
                              progress=progress)
+    from .prefetch import unshare_host_copy
+    unshare_host_copy(new_model, dm)     # a GroupPrefetch branch on the input rewrites its host copy in place
     offload = patcher.offload_device
     new_model.diffusion_model.to(offload)
     n = _new_patcher(patcher, new_model)

@@ -1297,3 +1297,33 @@ def test_a_rebuilt_host_copy_leaves_no_weight_on_the_old_one(comfy_env, tiny_wan
     assert not any(lo <= w.data_ptr() < hi for lo, hi in ranges)
     assert w.untyped_storage().nbytes() == w.numel() * w.element_size(), "the weight holds a larger storage"
     assert torch.equal(tiny_wan.sample(model)["samples"], ref)
+
+
+@pytest.mark.parametrize("key_suffix", ["modulation", "self_attn.norm_q.weight", "ffn.0.bias"])
+def test_a_quantized_branch_keeps_its_output_when_a_streamed_branch_changes_lora(comfy_env, tiny_wan, key_suffix):
+    """Found in review: branch A streams the loader's model (GroupPrefetch), branch B quantizes it (QuantizeDiT).
+    The quantized copy shares the tensors it keeps in full precision (norms, modulation, biases) with its input,
+    which after branch A's first run were views of GroupPrefetch's host copy; a LoRA on those tensors in branch A
+    rewrote that copy in place, and branch B's output changed (max difference 0.42 on a modulation). The quantized
+    copy now gives such tensors storage of their own."""
+    quant = next(c for c in comfy_env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+
+    def fp8(m):
+        out = quant.execute(m, format="fp8_e4m3fn", quality_check=False)
+        return (out.args if hasattr(out, "args") else out.result)[0]
+
+    comfy_env.mm.unload_all_models()
+    want = tiny_wan.sample(fp8(tiny_wan.load_model()))["samples"]
+    model = tiny_wan.load_model()
+    a, _, _ = _prefetch(comfy_env, model)              # blocks 1-3 stream
+    ref = tiny_wan.sample(a)["samples"]
+    q = fp8(model)                                     # branch B, after branch A's first run
+    assert torch.equal(tiny_wan.sample(q)["samples"], want)
+    sd = model.model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.3.") and k.endswith(key_suffix))
+    lora = model.clone()
+    delta = torch.randn(sd[key].shape, generator=torch.Generator().manual_seed(3)) * 0.05
+    lora.add_patches({f"diffusion_model.{key}": (delta,)}, 1.0)
+    a2, _, _ = _prefetch(comfy_env, lora)
+    assert not torch.equal(tiny_wan.sample(a2)["samples"], ref)
+    assert torch.equal(tiny_wan.sample(q)["samples"], want)
