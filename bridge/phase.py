@@ -338,6 +338,28 @@ def install(patcher, comp: Component) -> None:
     patcher.attachments[ATTACHMENT] = comp
 
 
+def let_go_for_host_copy(patcher, modules, skip: frozenset[int] = frozenset(), ranges=()) -> int:
+    """GroupPrefetch is about to build its host copy of ``modules``' tensors (all but ``skip``: the tails ComfyUI
+    loads itself): PhaseOffload's masters of them would hold their old memory, and its page-locking, through the
+    build, so RAM held the streamed bytes twice. They are let go (``MasterTable.let_go``); masters pointing into
+    ``ranges`` (GroupPrefetch's last copy, about to go) get memory of their own. ``adopt_moved_masters`` takes the
+    new copy as the masters once it is built. Returns the masters let go."""
+    comp = _component(patcher)
+    if comp is None or comp.table is None or not comp.swaps(patcher)[0]:
+        return 0
+    table = comp.table
+    names = set()
+    for module in modules:
+        prefix = table._prefix(module)
+        if prefix is None:
+            continue
+        for n, mod in module.named_modules(prefix=prefix, remove_duplicate=False):
+            for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is not None and id(t) not in skip:
+                    names.add(f"{n}.{attr}" if n else attr)
+    return table.let_go(names, ranges)
+
+
 def detach_for_new_model(patcher) -> Component | None:
     """The component a clone carried over onto ``patcher`` although it holds another model now (QuantizeDiT's
     quantized copy of a PhaseOffload output): taken off, with the patcher's stock class back, so ComfyUI loads the

@@ -667,6 +667,11 @@ class _Session:
                 # a streamed weight changed kind (dtype, shape, or a quantized weight replaced by a plain one):
                 # this store no longer describes the blocks; build a new one
                 log.info("levers: GroupPrefetch rebuilds its host copies: %s", exc)
+        # PhaseOffload before this node: its masters of the blocks about to be copied would hold their old memory
+        # through the build (and those of blocks loaded now, the last copy): let go, taken again once it is built
+        from .phase import let_go_for_host_copy
+        let_go_for_host_copy(self.patcher, [m for _, m in self.streamed], tails,
+                             [r for a in cached[1].arenas.values() for r in a.ranges()] if cached is not None else ())
         if cached is not None:
             # a weight the old copy streamed that ComfyUI loads and patches now: its backup (the weight ComfyUI puts
             # back when it unpatches) still points into the old arenas and would keep all of them alive

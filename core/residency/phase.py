@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -662,6 +662,36 @@ class MasterTable:
             if self.pin_outcome.relocated:
                 self._move_masters(groups)
         return fresh
+
+    def let_go(self, names: Collection[str], ranges: Sequence[tuple[int, int]] = ()) -> int:
+        """Another engine is about to take over the host memory of the tensors ``names`` (GroupPrefetch builds its
+        host copy of the streamed blocks, freeing each block's old memory as the copy takes its place): forget their
+        masters, which would hold that memory, and its page-locking, through the build (the bytes twice). Masters
+        that point into ``ranges`` (memory about to be freed: the engine's last copy) get memory of their own, and
+        a tensor still bound to one is rebound with it. What is left is pinned again, which unpins what is no
+        longer a master; the forgotten tensors are captured again, where they then live, at the next ``capture``.
+        Returns the masters forgotten."""
+        gone = [n for n in self.masters if n in names] + [n for n in self.wrapped if n in names]
+        for n in gone:
+            self.masters.pop(n, None)
+            self.wrapped.pop(n, None)
+        moved = 0
+        if ranges:
+            slots = {n: t for n, _, _, _, t in _named_tensor_slots(self.root)}
+            for name, m in self.masters.items():
+                if any(lo <= m.host.data_ptr() < hi for lo, hi in ranges):
+                    t = slots.get(name)
+                    with torch.inference_mode(m.host.is_inference()):
+                        fresh = m.host.clone()
+                    if t is not None and t.device.type == "cpu" and t.data_ptr() == m.host.data_ptr():
+                        rebind(t, fresh)
+                    m.host = fresh
+                    moved += 1
+        if gone or moved:
+            named = [(n, m.host) for n, m in self.masters.items()]
+            named += [(f"{n}.{'.'.join(path)}", x) for n, w in self.wrapped.items() for path, x in w.leaves]
+            self.pin_outcome = self.store.pin_component(self.component, group_by_storage(named))
+        return len(gone)
 
     def _move_masters(self, groups: list) -> None:
         """Point masters, and the module tensors bound to them, at the writable copies the store made of

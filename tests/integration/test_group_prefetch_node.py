@@ -1327,3 +1327,95 @@ def test_a_quantized_branch_keeps_its_output_when_a_streamed_branch_changes_lora
     a2, _, _ = _prefetch(comfy_env, lora)
     assert not torch.equal(tiny_wan.sample(a2)["samples"], ref)
     assert torch.equal(tiny_wan.sample(q)["samples"], want)
+
+
+def _phase_offload(env, model, vae=None):
+    """PhaseOffload's MODEL and VAE, the model offloaded to a second CPU device (ComfyUI moves weights)."""
+    node = _node(env, "LeversPhaseOffload")
+    host = model.clone()
+    host.offload_device = torch.device("cpu", 0)
+    out = node.execute(host, None, vae)
+    args = out.args if hasattr(out, "args") else out.result
+    return args[0], args[2]
+
+
+def _storage_refs(tensors):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seen, out = set(), []
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            out.append((StorageWeakRef(s), s.nbytes()))
+    return out
+
+
+def _alive(refs) -> int:
+    return sum(n for r, n in refs if not r.expired())
+
+
+def test_after_phase_offload_the_host_copy_is_built_holding_the_streamed_bytes_once(comfy_env, tiny_wan,
+                                                                                    monkeypatch):
+    """Found in review: PhaseOffload's masters (its host copy of every weight) held each streamed block's old memory
+    while GroupPrefetch built its copy, until the copy was adopted as the masters: RAM held the streamed bytes twice
+    (2.00x, against 1.33x for GroupPrefetch alone at one block per segment), both page-locked on a GPU. The masters
+    of the blocks about to be copied are let go first, and taken again from the copy once it is built."""
+    from comfyui_levers.bridge.prefetch import _stream_tensors
+    from comfyui_levers.core.residency import prefetch as P
+    from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+    from comfyui_levers.core.residency.transport import tensor_nbytes
+
+    comfy_env.mm.unload_all_models()
+    monkeypatch.setattr(P, "SEGMENT_BYTES", 1)           # a segment per block: the old memory goes block by block
+    model = tiny_wan.load_model()
+    blocks = find_blocks(model.model.diffusion_model).blocks
+    refs = _storage_refs([x for _, b in blocks[1:] for p in b.parameters() for x in _stream_tensors(p)])
+    streamed = sum(n for _, n in refs)
+    m, _ = _phase_offload(comfy_env, model)
+    clone, _, state = _prefetch(comfy_env, m)
+    held = []
+    orig = P.HostStore._new_segment
+
+    def spy(self, *args, **kw):
+        orig(self, *args, **kw)
+        held.append(sum(tensor_nbytes(t) for a in self.arenas.values() for t in a.tensors()) + _alive(refs))
+    monkeypatch.setattr(P.HostStore, "_new_segment", spy)
+    ref = tiny_wan.sample(model)["samples"]
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert held and max(held) <= streamed + max(module_bytes(b) for _, b in blocks) + 64 * 200, (max(held), streamed)
+    assert _alive(refs) == 0                             # the old memory all went
+    comp = clone.attachments["levers_phase"]
+    assert all(n in comp.table.masters for n, p in clone.model.named_parameters()
+               if n.startswith("diffusion_model.blocks.3."))        # the copy is PhaseOffload's masters now
+
+
+def test_after_phase_offload_a_rebuild_leaves_nothing_on_the_old_copy(comfy_env, tiny_wan):
+    """Found in review: run 1 streams every block, run 2 keeps block 0 loaded by ComfyUI (resident_groups changed).
+    PhaseOffload's master of block 0 still pointed into the first copy, which stayed alive beside the new one for as
+    long as PhaseOffload's output lived (the whole copy on a model whose copy is one segment). Such a master now
+    gets memory of its own first."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from comfyui_levers.bridge import prefetch as bp
+
+    comfy_env.mm.unload_all_models()
+    model, vae = tiny_wan.load_model(), tiny_wan.load_vae()
+    ref = tiny_wan.sample(model)["samples"]
+    dm = model.model.diffusion_model
+    m, v = _phase_offload(comfy_env, model, vae)
+    first, _, _ = _prefetch(comfy_env, m, resident_groups=0)
+    lat = tiny_wan.sample(first)
+    assert torch.equal(lat["samples"], ref)
+    tiny_wan.decode(v, lat)
+    old = [(StorageWeakRef(s.untyped_storage()), s.untyped_storage().nbytes())
+           for a in bp._STORES[dm][1].arenas.values() for s in a.tensors()]
+    second, _, _ = _prefetch(comfy_env, m, resident_groups=1)
+    lat = tiny_wan.sample(second)
+    assert torch.equal(lat["samples"], ref)
+    tiny_wan.decode(v, lat)                              # the decode phase releases the DiT
+    comfy_env.mm.unload_all_models()
+    import gc
+    gc.collect()
+    assert _alive(old) == 0, "the old host copy is still held"
+    assert torch.equal(tiny_wan.sample(second)["samples"], ref)
