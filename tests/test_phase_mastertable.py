@@ -367,3 +367,24 @@ def test_a_bitsandbytes_weight_is_left_to_its_own_move():
     moved, left = table.onload(m, DEV)
     assert left == 1 and m[1].weight is w and w.data_ptr() == home       # untouched: the manager moves it
     assert m[1].bias.data_ptr() != table.masters["1.bias"].host.data_ptr() and moved > 0
+
+
+def test_let_go_forgets_masters_and_frees_masters_pointing_into_memory_about_to_go():
+    """GroupPrefetch is about to take over some tensors' host memory: their masters are forgotten (so the memory can
+    go as the copy takes its place), a master pointing into memory about to be freed gets its own (with the tensor
+    still bound to it), and the next capture takes the tensors again from where they then live."""
+    m = _model()
+    t, _ = _table(m)
+    arena = torch.randn(64)                          # stands in for the engine's last host copy
+    with torch.no_grad():
+        m[2].weight.data = arena[:8]                 # LayerNorm weight bound into it
+    t.capture()
+    assert t.masters["2.weight"].host.data_ptr() == arena.data_ptr()
+    gone = t.let_go({"1.weight", "1.bias"}, [(arena.data_ptr(), arena.data_ptr() + arena.nbytes)])
+    assert gone == 2 and "1.weight" not in t.masters and "1.bias" not in t.masters
+    w = t.masters["2.weight"].host
+    assert w.data_ptr() != arena.data_ptr() and torch.equal(w, arena[:8])
+    assert m[2].weight.data_ptr() == w.data_ptr()    # the tensor bound to it moved with it
+    with torch.no_grad():
+        m[1].weight.data = m[1].weight.data.clone()  # the engine's copy takes its place
+    assert t.capture() == 2 and t.masters["1.weight"].host.data_ptr() == m[1].weight.data_ptr()
