@@ -162,6 +162,11 @@ class Component:
         if self.table is None:
             transport = make_transport(patcher.load_device)
             self.table = MasterTable(self.module, self.name, transport, self.group.store_for(transport))
+            # GroupPrefetch's host copy of this model's streamed blocks: their masters point into it once adopted;
+            # this node never moves those blocks, and whether the copy is page-locked is GroupPrefetch's decision
+            from .prefetch import host_copy_ranges
+            module = self.module
+            self.table.foreign = lambda: host_copy_ranges(module)
         return self.table
 
     def stage(self, patcher) -> None:

@@ -170,6 +170,13 @@ def _own_storage(t: torch.Tensor, arenas: list[tuple[int, int]]) -> None:
                 x.data = subclass.plain(x.data).clone()
 
 
+def host_copy_ranges(model) -> list[tuple[int, int]]:
+    """The host address ranges of GroupPrefetch's host copy of ``model``'s diffusion model (none when it has none)."""
+    dm = getattr(model, "diffusion_model", None)
+    cached = _STORES.get(dm) if isinstance(dm, nn.Module) else None
+    return [r for a in cached[1].arenas.values() for r in a.ranges()] if cached is not None else []
+
+
 def unshare_host_copy(module: nn.Module, source_root: nn.Module) -> int:
     """Give the tensors of ``module`` storage of their own where they point into GroupPrefetch's host copy of
     ``source_root`` (QuantizeDiT's copy of a model shares the tensors it keeps in full precision: norms, biases,

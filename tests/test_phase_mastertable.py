@@ -388,3 +388,24 @@ def test_let_go_forgets_masters_and_frees_masters_pointing_into_memory_about_to_
     with torch.no_grad():
         m[1].weight.data = m[1].weight.data.clone()  # the engine's copy takes its place
     assert t.capture() == 2 and t.masters["1.weight"].host.data_ptr() == m[1].weight.data_ptr()
+
+
+def test_masters_in_memory_another_engine_owns_are_not_offered_for_pinning():
+    """GroupPrefetch's host copy holds the streamed blocks' masters once PhaseOffload adopts it: whether it is
+    page-locked is GroupPrefetch's decision (its pin input, its RAM rule; with packed_bf16 only the packed planes).
+    The table offers the store every master but those."""
+    m = _model()
+    t, _ = _table(m)
+    offered = []
+    real = t.store.pin_component
+    t.store.pin_component = lambda name, groups: offered.append(groups) or real(name, groups)
+    arena = torch.randn(64)
+    with torch.no_grad():
+        m[1].weight.data = arena[:64].view(8, 8)
+    t.foreign = lambda: [(arena.data_ptr(), arena.data_ptr() + arena.nbytes)]
+    t.capture()
+    names = {r.name for g in offered[-1] for r in g.refs}
+    assert "1.weight" in t.masters and "1.weight" not in names and "1.bias" in names
+    t.foreign = None
+    t.let_go({"1.bias"})
+    assert "1.weight" in {r.name for g in offered[-1] for r in g.refs}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -619,6 +619,9 @@ class MasterTable:
         self.swapped_bytes = 0                  # offloaded by pointer swap, cumulative
         self.left_bytes = 0                     # device bytes left to the manager's own copy, cumulative
         self.pin_outcome: PinOutcome | None = None
+        # host ranges another Levers engine owns (GroupPrefetch's host copy, read when pinning): masters there are
+        # not pinned by this table, whose moves never copy them; whether that memory is page-locked is its owner's
+        self.foreign: Callable[[], Sequence[tuple[int, int]]] | None = None
 
     def _prefix(self, module: torch.nn.Module) -> str | None:
         if id(module) not in self.prefixes:
@@ -654,14 +657,23 @@ class MasterTable:
             fresh += 1
         if fresh or self._adopted:
             self._adopted = False
-            # every master by name (two views of one storage that start at the same byte are both in its span)
-            named = [(n, m.host) for n, m in self.masters.items()]
-            named += [(f"{n}.{'.'.join(path)}", x) for n, w in self.wrapped.items() for path, x in w.leaves]
-            groups = group_by_storage(named)
-            self.pin_outcome = self.store.pin_component(self.component, groups)
+            groups = self._pin()
             if self.pin_outcome.relocated:
                 self._move_masters(groups)
         return fresh
+
+    def _pin(self) -> list[StorageGroup]:
+        """Offer every master to the store (which pins new ranges and unpins those no longer masters), but those in
+        memory another engine owns (``foreign``); the groups offered."""
+        # every master by name (two views of one storage that start at the same byte are both in its span)
+        named = [(n, m.host) for n, m in self.masters.items()]
+        named += [(f"{n}.{'.'.join(path)}", x) for n, w in self.wrapped.items() for path, x in w.leaves]
+        groups = group_by_storage(named)
+        ranges = self.foreign() if self.foreign is not None else ()
+        if ranges:
+            groups = [g for g in groups if not any(lo <= g.host.data_ptr() < hi for lo, hi in ranges)]
+        self.pin_outcome = self.store.pin_component(self.component, groups)
+        return groups
 
     def let_go(self, names: Collection[str], ranges: Sequence[tuple[int, int]] = ()) -> int:
         """Another engine is about to take over the host memory of the tensors ``names`` (GroupPrefetch builds its
@@ -688,9 +700,9 @@ class MasterTable:
                     m.host = fresh
                     moved += 1
         if gone or moved:
-            named = [(n, m.host) for n, m in self.masters.items()]
-            named += [(f"{n}.{'.'.join(path)}", x) for n, w in self.wrapped.items() for path, x in w.leaves]
-            self.pin_outcome = self.store.pin_component(self.component, group_by_storage(named))
+            groups = self._pin()
+            if self.pin_outcome.relocated:
+                self._move_masters(groups)
         return len(gone)
 
     def _move_masters(self, groups: list) -> None:

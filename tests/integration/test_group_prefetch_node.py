@@ -1419,3 +1419,30 @@ def test_after_phase_offload_a_rebuild_leaves_nothing_on_the_old_copy(comfy_env,
     gc.collect()
     assert _alive(old) == 0, "the old host copy is still held"
     assert torch.equal(tiny_wan.sample(second)["samples"], ref)
+
+
+def test_phase_offload_leaves_the_pinning_of_the_host_copy_to_this_node(comfy_env, tiny_wan, monkeypatch):
+    """Found in review: once PhaseOffload (before this node) took the host copy as its masters, it offered the copy
+    for pinning under its own rule, so a copy this node left pageable (pin off, the RAM rule, or the bf16 copy
+    beside packed planes) ended up page-locked anyway, in pieces. PhaseOffload now offers every master but those."""
+    from comfyui_levers.bridge import prefetch as bp
+    from comfyui_levers.core.residency.pinned import PinnedStore
+
+    offered = []
+    real = PinnedStore.pin_component
+    monkeypatch.setattr(PinnedStore, "pin_component",
+                        lambda self, name, groups: offered.append((name, groups)) or real(self, name, groups))
+    comfy_env.mm.unload_all_models()
+    model = tiny_wan.load_model()
+    m, _ = _phase_offload(comfy_env, model)
+    clone, _, _ = _prefetch(comfy_env, m)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], tiny_wan.sample(model)["samples"])
+    ranges = bp.host_copy_ranges(clone.model)
+    comp = clone.attachments["levers_phase"]
+    assert ranges and comp.table.foreign() == ranges
+    in_copy = {n for n, mst in comp.table.masters.items()
+               if any(lo <= mst.host.data_ptr() < hi for lo, hi in ranges)}
+    assert any(n.startswith("diffusion_model.blocks.3.") for n in in_copy)      # the copy is its masters
+    name, groups = [o for o in offered if o[0] == "diffusion_model"][-1]
+    assert not in_copy & {r.name for g in groups for r in g.refs}
+    assert {r.name for g in groups for r in g.refs} - in_copy                    # the rest is still offered
