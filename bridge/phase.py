@@ -137,6 +137,9 @@ class Component:
     # a text encoder copied at a wider precision: the stored dtype of each weight, which ComfyUI rounds a patched
     # weight to (a LoRA'd fp16 weight held in fp32 is rounded to fp16 and back, as it would be without the copy)
     stored_dtypes: dict[str, torch.dtype] | None = None
+    # the pinned store's key for its masters (default: the name); a model added for a component's place (QuantizeDiT's
+    # copy) has its own, so neither unpins the other's masters
+    pin_key: str | None = None
 
     def on_model_patcher_clone(self) -> "Component":
         return self  # clones of a managed patcher belong to the same component
@@ -161,7 +164,8 @@ class Component:
     def _table(self, patcher) -> MasterTable:
         if self.table is None:
             transport = make_transport(patcher.load_device)
-            self.table = MasterTable(self.module, self.name, transport, self.group.store_for(transport))
+            self.table = MasterTable(self.module, self.pin_key or self.name, transport,
+                                     self.group.store_for(transport))
             # GroupPrefetch's host copy of this model's streamed blocks: their masters point into it once adopted;
             # this node never moves those blocks, and whether the copy is page-locked is GroupPrefetch's decision
             from .prefetch import host_copy_ranges
@@ -380,18 +384,15 @@ def detach_for_new_model(patcher) -> Component | None:
 
 
 def manage_new_model(old: Component, patcher) -> str:
-    """``patcher``'s model takes ``old``'s place in its PhaseOffload group: it gets the GPU only during its phase,
-    is released before the others, and its host copy is adopted (and pinned) as the masters. The model it replaces
-    is not sampled through this branch: its masters are let go (unpinned; captured again if something else loads
-    it). Returns the report line."""
-    group = old.group
-    current = group.components.get(old.name)
-    if current is not None and current.table is not None:
-        current.table.release()
-    comp = group.add(old.name, patcher)
+    """``patcher``'s model (QuantizeDiT's copy of ``old``'s) joins ``old``'s PhaseOffload group in ``old``'s role: it
+    gets the GPU only during that phase, every other member is released before it loads and it is released before
+    theirs, and its host copy is adopted (and pinned, under a key of its own) as its masters. ``old`` stays a member
+    for the outputs that still sample it (the node's own MODEL, a ``model_2`` sharing it, the quality check).
+    Returns the report line."""
+    comp = old.group.add_member(old.name, patcher)
     comp.stage(patcher)
-    return (f"PhaseOffload (before this node) manages the quantized model as its {old.name}: it holds the GPU only "
-            f"during its phase; the input model's host copy is no longer pinned")
+    return (f"PhaseOffload (before this node) manages the quantized model as a {old.name} of its group: it holds "
+            "the GPU only during its phase and is released before the others")
 
 
 def remove_phase_offload(patcher) -> None:
@@ -695,6 +696,9 @@ class PhaseGroup:
         self.serial = next(_SERIAL)
         self.last_active = 0                  # _SERIAL value of this group's latest phase start
         self.components: dict[str, Component] = {}
+        # models that joined in a component's role since (QuantizeDiT's copy of the diffusion model): held weakly,
+        # so a copy no output uses any more leaves the group
+        self._joined: list[weakref.ref[Component]] = []
         self.records: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.run: RunLedger | None = None
@@ -730,6 +734,22 @@ class PhaseGroup:
         self.components[name] = comp
         install(patcher, comp)
         return comp
+
+    def add_member(self, name: str, patcher) -> Component:
+        """Add ``patcher``'s model in component ``name``'s role beside the one registered under it (``add`` would
+        replace that one for the outputs that still use it)."""
+        comp = Component(name=name, module=patcher.model, group=self, dynamic=is_dynamic(patcher),
+                         load_device=torch.device(patcher.load_device),
+                         offload_device=torch.device(patcher.offload_device),
+                         resident=name in self.settings.resident, pin_key=f"{name} (joined {next(_SERIAL)})")
+        self._joined.append(weakref.ref(comp))
+        install(patcher, comp)
+        return comp
+
+    def members(self) -> list[Component]:
+        """Every component of the group: those registered by name, then the live ones that joined since."""
+        self._joined = [r for r in self._joined if r() is not None]
+        return list(self.components.values()) + [c for c in (r() for r in self._joined) if c is not None]
 
     # --- runs and phases ---------------------------------------------------------------------------
 
@@ -787,14 +807,15 @@ class PhaseGroup:
             entry.nodes.append(node_id)
         if prompt_id is not None:
             _watch_node_finish(self, prompt_id)
-        others = [c.module for c in self.components.values() if c is not comp and not c.resident]
+        members = self.members()
+        others = [c.module for c in members if c is not comp and not c.resident and c.module is not comp.module]
         loaded = list(mm.current_loaded_models)
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
         evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device
                  and any(lm.model.model is m for m in others)]
         if evict:
             keep = [lm for lm in loaded if all(lm is not e for e in evict)]
-            names = sorted({c.name for c in self.components.values() if c is not comp
+            names = sorted({c.name for c in members if c is not comp
                             and any(lm.model.model is c.module for lm in evict if lm.model is not None)})
             for lm in evict:
                 if (ATTACHMENT in (getattr(lm.model, "attachments", None) or {}) or is_dynamic(lm.model)
@@ -804,7 +825,7 @@ class PhaseGroup:
                     continue
                 # loaded through a patcher PhaseOffload does not manage (another branch of the graph uses the same
                 # model without the node): ComfyUI's own unload copies it back, and the next load re-adopts it
-                name = next(c.name for c in self.components.values() if lm.model.model is c.module)
+                name = next(c.name for c in members if lm.model.model is c.module)
                 n = int(lm.model_loaded_memory()) if callable(getattr(lm, "model_loaded_memory", None)) else 0
                 self.record(name, "released by ComfyUI", h2d=0, d2h=n, swapped=0, seconds=0.0)
                 note = (f"{name} was loaded by a patcher this node does not manage (the same model used without it "
@@ -889,9 +910,9 @@ class PhaseGroup:
         """JSON-ready: per-component settings and pin outcomes, every record, totals, the current run."""
         self.close_phase()
         comps = {}
-        for name, c in self.components.items():
+        for c in self.members():
             table = c.table
-            comps[name] = {
+            comps[c.pin_key or c.name] = {
                 "dynamic": c.dynamic, "load_device": str(c.load_device), "offload_device": str(c.offload_device),
                 "masters": len(table.masters) + len(table.wrapped) if table else 0,
                 "master_bytes": _master_bytes(table),

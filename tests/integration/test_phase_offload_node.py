@@ -983,8 +983,10 @@ def test_quantize_dit_after_the_node_puts_the_quantized_model_in_the_phase_group
     """Found in review: PhaseOffload -> QuantizeDiT -> KSampler. The quantized copy carried the node's component,
     which described the input model: the quantized model was never released before the decode (the VAE OOM the node
     exists to prevent) nor swapped, and the input's masters stayed pinned for a model nothing sampled. The quantized
-    model now takes the input's place in the group: bit-identical to QuantizeDiT before the node, released at the
-    decode phase, and adopted as the masters; the input model's masters are let go."""
+    model now joins the group in the diffusion model's role: bit-identical to QuantizeDiT before the node, released
+    at the decode phase, adopted as its own masters (pinned under a key of its own); the input stays a member for
+    the outputs that sample it, and the input the quality check loaded is released when the quantized one samples
+    (a first version replaced the input's component: the input then stayed loaded through the decode)."""
     from comfyui_levers.bridge.phase import ATTACHMENT
 
     env = comfy_env
@@ -1001,16 +1003,57 @@ def test_quantize_dit_after_the_node_puts_the_quantized_model_in_the_phase_group
     old = m.attachments[ATTACHMENT]
     assert old.table is not None and old.table.masters          # staged: the input's masters
     q, text = quantize(m)
-    assert "manages the quantized model as its diffusion_model" in text, text
+    assert "manages the quantized model as a diffusion_model of its group" in text, text
     assert "quality check: output PSNR" in text, text
     comp = q.attachments[ATTACHMENT]
-    assert comp.module is q.model and comp.group is old.group and comp.group.components["diffusion_model"] is comp
-    assert not old.table.masters                                # the input's masters let go (unpinned)
+    group = old.group
+    assert comp.module is q.model and comp.group is group and comp in group.members()
+    assert group.components["diffusion_model"] is old and old.table.masters       # the input stays a member
+    assert comp.table.component != old.table.component                  # neither unpins the other's masters
     assert m.attachments[ATTACHMENT] is old and m.model is old.module      # the node's own output unchanged
     latent = tiny_wan.sample(q)
     assert torch.equal(latent["samples"], want)
-    assert _dit_entries(env, q.model)
+    assert _dit_entries(env, q.model) and not _dit_entries(env, m.model)   # the quality check's load released
     tiny_wan.decode(v, latent)
     assert not _dit_entries(env, q.model), "the quantized model stayed loaded through the decode phase"
     phases = [p["phase"] for p in comp.group.ledger()["run"]["phases"]]
     assert phases[-2:] == ["sample", "decode"], phases
+
+
+@pytest.mark.parametrize("case", ["model_2_shares_it", "quantize_model_2", "two_quantize_nodes"])
+def test_quantized_copies_and_the_models_they_came_from_take_turns(comfy_env, tiny_wan, case):
+    """Found in review of the first version, which replaced the group's component by name: a model_2 sharing the
+    input, the first model beside a quantized model_2, or a first quantized copy beside a second, stayed loaded
+    through the decode phase. Every member takes its turn now; a copy nothing uses any more leaves the group."""
+    import gc
+    import weakref
+
+    env = comfy_env
+    quant = next(c for c in env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+
+    def quantize(m, fmt="fp8_e4m3fn"):
+        out = quant.execute(m, format=fmt, quality_check=False)
+        return (out.args if hasattr(out, "args") else out.result)[0]
+
+    env.mm.unload_all_models()
+    model = _host_offload(tiny_wan.load_model())
+    out = _node(env).execute(model, None, tiny_wan.load_vae(), model_2=model.clone())
+    m, _, v, _, m2 = out.args if hasattr(out, "args") else out.result
+    if case == "model_2_shares_it":
+        first, second = quantize(m), m2
+    elif case == "quantize_model_2":
+        first, second = m, quantize(m2)
+    else:
+        first, second = quantize(m), quantize(m, "int8")
+    latent = tiny_wan.sample(first)
+    latent = tiny_wan.sample(second, latent, denoise=0.5)
+    assert _dit_entries(env, second.model) and not _dit_entries(env, first.model)
+    tiny_wan.decode(v, latent)
+    assert not _dit_entries(env, first.model) and not _dit_entries(env, second.model)
+    group = m.attachments["levers_phase"].group
+    joined = [weakref.ref(x.model) for x in (first, second) if x.model is not m.model]
+    dits = lambda: [c for c in group.members() if c.name == "diffusion_model"]      # noqa: E731
+    assert len(dits()) == 1 + len(joined)
+    del first, second, latent
+    gc.collect()
+    assert all(r() is None for r in joined) and len(dits()) == 1     # the group holds the copies weakly
