@@ -328,7 +328,11 @@ def _rounded(weight: torch.Tensor, key: str, stored: torch.dtype) -> torch.Tenso
     import comfy.float
     import comfy.model_patcher
 
-    seed = comfy.model_patcher.string_to_seed(key)      # where every release has it (0.33 also in comfy.utils)
+    # comfy.utils on 0.33 (its comfy.model_patcher shim logs a deprecation warning per call); comfy.model_patcher
+    # before
+    import comfy.utils
+    seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+    seed = seed(key)
     return comfy.float.stochastic_rounding(weight, stored, seed=seed).to(weight.dtype)
 
 
@@ -364,7 +368,9 @@ def let_go_for_host_copy(patcher, modules, skip: frozenset[int] = frozenset(), r
             continue
         for n, mod in module.named_modules(prefix=prefix, remove_duplicate=False):
             for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if t is not None and id(t) not in skip:
+                # only what is on the host now: what ComfyUI loaded (a split block's tails, a tensor also held
+                # outside the streamed blocks) stays on the device, and its master is what unloads it for free
+                if t is not None and id(t) not in skip and t.device.type == "cpu":
                     names.add(f"{n}.{attr}" if n else attr)
     return table.let_go(names, ranges)
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..core.errors import BudgetExceeded
 from ..core.residency import subclass
-from ..core.residency.blocks import BlockLayout, find_blocks, held_outside, module_bytes
+from ..core.residency.blocks import BlockLayout, find_blocks, held_outside, module_bytes, modules_outside
 from ..core.residency.packed import packing_supported, staging_nbytes
 from ..core.residency.pinned import PinMode, arena_pin_decision
 from ..core.residency.prefetch import AUTO, HostStore, PinDecider, PrefetchConfig, PrefetchHandle, \
@@ -384,6 +384,9 @@ class _Session:
             self.streamed = [self.layout.blocks[b] for b in split.streamed]
             self.streamed_bytes = split.streamed_bytes
             self.streamed_ids = set(split.head_modules)
+        # a streamed block's layer the model also holds outside the streamed blocks (by another name) is loaded by
+        # ComfyUI with the resident part: the host copy keeps its tensors out (``held_outside``)
+        self.streamed_ids -= modules_outside(self.root, self.streamed)
 
     def _keep_built(self, other: int, cfg: PrefetchConfig, n_dtypes: int, block_tensors: list[int],
                     split_ok: bool, depth: int) -> None:

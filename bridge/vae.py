@@ -599,6 +599,9 @@ def _kept_resident(mm, plan) -> tuple[list, list[str]]:
     except ImportError:        # pragma: no cover - every ComfyUI has it
         BaseModel = ()
     keep, why = [], []
+    # the plan describes one diffusion model: with several loaded (a refiner, another expert) it is not known which
+    dits = [lm for lm in mm.current_loaded_models
+            if isinstance(getattr(getattr(lm, "model", None), "model", None), BaseModel)]
     for lm in list(mm.current_loaded_models):
         patcher = getattr(lm, "model", None)
         if patcher is None:
@@ -607,7 +610,8 @@ def _kept_resident(mm, plan) -> tuple[list, list[str]]:
         if comp is not None:
             reason = "PhaseOffload keeps it on the GPU across phases (the plan's residency)" if comp.resident else None
             name = comp.name
-        elif isinstance(getattr(patcher, "model", None), BaseModel) and planned_resident("diffusion_model"):
+        elif (isinstance(getattr(patcher, "model", None), BaseModel) and len(dits) == 1
+              and planned_resident("diffusion_model")):
             name, reason = "diffusion_model", "the plan keeps it resident"
         elif getattr(patcher, "is_clip", False) and planned_resident("text_encoder"):
             name, reason = "text_encoder", "the plan keeps it resident"

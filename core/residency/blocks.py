@@ -158,16 +158,9 @@ def _fallback(root: nn.Module, min_share: float) -> list[tuple[str, nn.Module]]:
     return items
 
 
-def held_outside(root: nn.Module, blocks) -> frozenset[int]:
-    """Ids of the tensors of ``blocks`` ((name, module) pairs) that a module of ``root`` outside them also holds (a
-    weight tied to the final layer, a layer of a block that the model also calls by another name). Such a tensor is
-    in use while its block is not running, so it cannot stream. A block module held under a second name is not
-    outside: its own hooks run whichever name calls it."""
+def _walk_outside(root: nn.Module, blocks) -> tuple[set[int], set[int]]:
+    """(ids of the modules, ids of the tensors) reachable from ``root`` without entering a block module."""
     block_ids = {id(m) for _, m in blocks}
-    inside: set[int] = set()
-    for _, m in blocks:
-        inside.update(id(t) for t in m.parameters())
-        inside.update(id(t) for t in m.buffers())
     held: set[int] = set()
     seen: set[int] = set()
     stack = [root]
@@ -178,7 +171,25 @@ def held_outside(root: nn.Module, blocks) -> frozenset[int]:
         seen.add(id(mod))
         held.update(id(t) for t in list(mod._parameters.values()) + list(mod._buffers.values()) if t is not None)
         stack.extend(c for c in mod._modules.values() if c is not None)
-    return frozenset(held & inside)
+    return seen, held
+
+
+def held_outside(root: nn.Module, blocks) -> frozenset[int]:
+    """Ids of the tensors of ``blocks`` ((name, module) pairs) that a module of ``root`` outside them also holds (a
+    weight tied to the final layer, a layer of a block that the model also calls by another name). Such a tensor is
+    in use while its block is not running, so it cannot stream. A block module held under a second name is not
+    outside: its own hooks run whichever name calls it."""
+    inside: set[int] = set()
+    for _, m in blocks:
+        inside.update(id(t) for t in m.parameters())
+        inside.update(id(t) for t in m.buffers())
+    return frozenset(_walk_outside(root, blocks)[1] & inside)
+
+
+def modules_outside(root: nn.Module, blocks) -> frozenset[int]:
+    """Ids of the modules of ``root`` reachable without entering ``blocks`` (a block's layer the model also holds
+    by another name is one: it must be loaded with the model's resident part)."""
+    return frozenset(_walk_outside(root, blocks)[0])
 
 
 def find_blocks(model: nn.Module, min_share: float = 0.5) -> BlockLayout:

@@ -689,6 +689,22 @@ class MasterTable:
             self.wrapped.pop(n, None)
         moved = 0
         if ranges:
+            def inside(x: torch.Tensor) -> bool:
+                return any(lo <= x.data_ptr() < hi for lo, hi in ranges)
+            rebuilt: dict[int, tuple] = {}        # old host wrapper id -> (leaves, wrapper): tied twins share one
+            for name, owner, attr, is_param, t in list(_named_tensor_slots(self.root)):
+                w = self.wrapped.get(name)
+                if w is None or not any(inside(x) for _, x in w.leaves):
+                    continue
+                if id(w.host) not in rebuilt:
+                    with torch.inference_mode(False):
+                        leaves = [(path, x.clone() if inside(x) else x) for path, x in w.leaves]
+                    rebuilt[id(w.host)] = (leaves, subclass.rebuild(w.host, dict(leaves)))
+                old_host = w.host
+                w.leaves, w.host = rebuilt[id(old_host)]
+                if t is old_host:                 # the module still holds the host wrapper: it moves with it
+                    _set_slot(owner, attr, is_param, w.host)
+                moved += 1
             slots = {n: t for n, _, _, _, t in _named_tensor_slots(self.root)}
             for name, m in self.masters.items():
                 if any(lo <= m.host.data_ptr() < hi for lo, hi in ranges):

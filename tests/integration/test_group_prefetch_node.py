@@ -1390,17 +1390,22 @@ def test_after_phase_offload_the_host_copy_is_built_holding_the_streamed_bytes_o
                if n.startswith("diffusion_model.blocks.3."))        # the copy is PhaseOffload's masters now
 
 
-def test_after_phase_offload_a_rebuild_leaves_nothing_on_the_old_copy(comfy_env, tiny_wan):
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "fp8"])
+def test_after_phase_offload_a_rebuild_leaves_nothing_on_the_old_copy(comfy_env, tiny_wan, fp8):
     """Found in review: run 1 streams every block, run 2 keeps block 0 loaded by ComfyUI (resident_groups changed).
     PhaseOffload's master of block 0 still pointed into the first copy, which stayed alive beside the new one for as
     long as PhaseOffload's output lived (the whole copy on a model whose copy is one segment). Such a master now
-    gets memory of its own first."""
+    gets memory of its own first, also an fp8 weight's (a second review: its wrapper master was left there)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from comfyui_levers.bridge import prefetch as bp
 
     comfy_env.mm.unload_all_models()
     model, vae = tiny_wan.load_model(), tiny_wan.load_vae()
+    if fp8:
+        quant = _node(comfy_env, "LeversQuantizeDiT")
+        out = quant.execute(model, format="fp8_e4m3fn", quality_check=False)
+        model = (out.args if hasattr(out, "args") else out.result)[0]
     ref = tiny_wan.sample(model)["samples"]
     dm = model.model.diffusion_model
     m, v = _phase_offload(comfy_env, model, vae)
@@ -1446,3 +1451,29 @@ def test_phase_offload_leaves_the_pinning_of_the_host_copy_to_this_node(comfy_en
     name, groups = [o for o in offered if o[0] == "diffusion_model"][-1]
     assert not in_copy & {r.name for g in groups for r in g.refs}
     assert {r.name for g in groups for r in g.refs} - in_copy                    # the rest is still offered
+
+
+def test_a_layer_the_model_also_calls_by_another_name_is_loaded_by_comfyui(comfy_env, tiny_wan, monkeypatch):
+    """Found in review: a streamed block's layer that the model also holds outside the blocks (here its final
+    Linear) was kept out of the host copy but also left out of ComfyUI's load list with the rest of the block: on a
+    GPU the head would have run on host weights. ComfyUI loads it with the resident part now."""
+    import comfy.model_patcher as cmp
+
+    comfy_env.mm.unload_all_models()
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    dm.blocks[3].alias = dm.head.head
+    ref = tiny_wan.sample(model)["samples"]
+    comfy_env.mm.unload_all_models()
+    listed = []
+    real = cmp.ModelPatcher.load
+
+    def load(self, *a, **k):
+        listed.append({id(x[-2]) for x in self._load_list() if isinstance(x[-2], torch.nn.Module)})
+        return real(self, *a, **k)
+    monkeypatch.setattr(cmp.ModelPatcher, "load", load)
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=1)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert "also held outside the streamed blocks" in state.last_report
+    assert listed and id(dm.head.head) in listed[-1]
+    assert id(dm.blocks[3].ffn[0]) not in listed[-1]           # the rest of the block still streams
