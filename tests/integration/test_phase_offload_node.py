@@ -1059,3 +1059,27 @@ def test_quantized_copies_and_the_models_they_came_from_take_turns(comfy_env, ti
     del first, second, latent
     gc.collect()
     assert all(r() is None for r in joined) and len(dits()) == 1     # the group holds the copies weakly
+
+
+def test_tiled_vae_decode_keeps_a_plans_diffusion_model_only_when_it_is_the_one_loaded(comfy_env, tiny_wan,
+                                                                                       monkeypatch):
+    """Found in review: without PhaseOffload, a plan keeping the diffusion model resident kept every loaded diffusion
+    model through the decode (a refiner, the other expert), shrinking the decode's memory. The plan describes one:
+    with two loaded, neither is kept on its account."""
+    from comfyui_levers.bridge import vae as bv
+    from comfyui_levers.core.types import Residency
+
+    env = comfy_env
+    env.mm.unload_all_models()
+    plan = SimpleNamespace(component=lambda name: {"diffusion_model": SimpleNamespace(
+        name=name, residency=Residency.RESIDENT)}[name])
+    a, b, vae = tiny_wan.load_model(), tiny_wan.load_model(), tiny_wan.load_vae()
+    env.mm.load_models_gpu([a])
+    env.mm.load_models_gpu([b])
+    assert _is_loaded(env, a) and _is_loaded(env, b)
+    monkeypatch.setattr(vae, "device", torch.device("cuda", 0))      # the models' CPU stands in for its GPU
+    monkeypatch.setattr(bv, "_same_device", lambda x, y: True)
+    monkeypatch.setattr(env.mm, "get_free_memory",
+                        lambda dev=None, torch_free_too=False: (0, 0) if torch_free_too else 0)
+    line = bv.free_other_models(vae, plan)
+    assert not _is_loaded(env, a) and not _is_loaded(env, b) and "kept loaded" not in line, line
