@@ -693,6 +693,12 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
 _SERIAL = iter(range(1, 1 << 62))
 
 
+def _release_joined(group_ref, key: str) -> None:
+    group = group_ref()
+    for store in (group._stores.values() if group is not None else ()):
+        store.release(key)
+
+
 class PhaseGroup:
     """The components one PhaseOffload node manages together; one ledger, one pin budget."""
 
@@ -749,6 +755,8 @@ class PhaseGroup:
                          offload_device=torch.device(patcher.offload_device),
                          resident=name in self.settings.resident, pin_key=f"{name} (joined {next(_SERIAL)})")
         self._joined.append(weakref.ref(comp))
+        # when no output holds it any more, what it pinned goes too (its pinned pieces would hold its weights)
+        weakref.finalize(comp, _release_joined, weakref.ref(self), comp.pin_key).atexit = False
         install(patcher, comp)
         return comp
 

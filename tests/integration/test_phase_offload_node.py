@@ -1059,6 +1059,8 @@ def test_quantized_copies_and_the_models_they_came_from_take_turns(comfy_env, ti
     del first, second, latent
     gc.collect()
     assert all(r() is None for r in joined) and len(dits()) == 1     # the group holds the copies weakly
+    # and what they pinned went with them (the pinned pieces would have held their weights)
+    assert not [k for st in group._stores.values() for k in st._by_component if "joined" in k]
 
 
 def test_tiled_vae_decode_keeps_a_plans_diffusion_model_only_when_it_is_the_one_loaded(comfy_env, tiny_wan,
