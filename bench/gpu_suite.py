@@ -3060,8 +3060,10 @@ def main(argv: list[str] | None = None) -> int:
             suite.results["skipped"].append(f"comfyui baseline: {suite.comfy.reason}")
     gc.freeze()    # imports are done: keep their objects out of every later gc.collect()
     order = [s for s in SECTION_ORDER if s in args.sections]
-    # a section that will only say "skipped" (no ComfyUI path for it) takes none of dit's time
-    idle = {s for s, path in (("comfy_phase", args.comfyui), ("dynamic", args.comfyui_dynamic)) if not path}
+    # a section that will only say "skipped" (no ComfyUI path for it, or the ComfyUI given did not import here)
+    # takes none of dit's time
+    comfy_ok = suite.comfy is None or suite.comfy.ok
+    idle = {s for s, ok in (("comfy_phase", args.comfyui and comfy_ok), ("dynamic", args.comfyui_dynamic)) if not ok}
     for i, name in enumerate(order):
         reserve = sum(SECTION_SECONDS[s] for s in order[i + 1:] if s not in idle) * (0.8 if name == "dit" else 0.0)
         seconds = SECTION_SECONDS[name] if not args.smoke else 60
