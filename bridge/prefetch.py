@@ -170,11 +170,16 @@ def _own_storage(t: torch.Tensor, arenas: list[tuple[int, int]]) -> None:
                 x.data = subclass.plain(x.data).clone()
 
 
-def host_copy_ranges(model) -> list[tuple[int, int]]:
-    """The host address ranges of GroupPrefetch's host copy of ``model``'s diffusion model (none when it has none)."""
-    dm = getattr(model, "diffusion_model", None)
-    cached = _STORES.get(dm) if isinstance(dm, nn.Module) else None
+def _copy_ranges(root: nn.Module) -> list[tuple[int, int]]:
+    """The host address ranges of GroupPrefetch's host copy of the diffusion model ``root`` (none without one)."""
+    cached = _STORES.get(root)
     return [r for a in cached[1].arenas.values() for r in a.ranges()] if cached is not None else []
+
+
+def host_copy_ranges(model) -> list[tuple[int, int]]:
+    """``_copy_ranges`` of ``model``'s (a ComfyUI BaseModel's) diffusion model."""
+    dm = getattr(model, "diffusion_model", None)
+    return _copy_ranges(dm) if isinstance(dm, nn.Module) else []
 
 
 def unshare_host_copy(module: nn.Module, source_root: nn.Module) -> int:
@@ -183,10 +188,9 @@ def unshare_host_copy(module: nn.Module, source_root: nn.Module) -> int:
     modulation). The copy is rewritten in place whenever a LoRA on the source's streamed weights changes, which
     would change the copy's output. Parameters of ``module`` are its own objects (their data is rebound); a
     buffer may be the source's own object, so the module gets a new one. Returns the bytes copied."""
-    cached = _STORES.get(source_root)
-    if cached is None:
+    ranges = _copy_ranges(source_root)
+    if not ranges:
         return 0
-    ranges = [r for a in cached[1].arenas.values() for r in a.ranges()]
 
     def inside(t) -> bool:
         return isinstance(t, torch.Tensor) and subclass.is_plain(t) and any(lo <= t.data_ptr() < hi
@@ -634,8 +638,7 @@ class _Session:
         prefix = "diffusion_model."
         tails = self.tails
         patched = set()
-        cached = _STORES.get(self.root)
-        arenas = [r for a in (cached[1].arenas.values() if cached is not None else ()) for r in a.ranges()]
+        arenas = _copy_ranges(self.root)
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
                 if id(param) in tails:
@@ -680,12 +683,11 @@ class _Session:
         # PhaseOffload before this node: its masters of the blocks about to be copied would hold their old memory
         # through the build (and those of blocks loaded now, the last copy): let go, taken again once it is built
         from .phase import let_go_for_host_copy
-        let_go_for_host_copy(self.patcher, [m for _, m in self.streamed], tails,
-                             [r for a in cached[1].arenas.values() for r in a.ranges()] if cached is not None else ())
+        old_ranges = _copy_ranges(self.root) if cached is not None else []
+        let_go_for_host_copy(self.patcher, [m for _, m in self.streamed], tails, old_ranges)
         if cached is not None:
             # a weight the old copy streamed that ComfyUI loads and patches now: its backup (the weight ComfyUI puts
             # back when it unpatches) still points into the old arenas and would keep all of them alive
-            old_ranges = [r for a in cached[1].arenas.values() for r in a.ranges()]
             for bk in list(getattr(self.patcher, "backup", {}).values()):
                 w = getattr(bk, "weight", None)
                 if isinstance(w, torch.Tensor) and w.device.type == "cpu":
