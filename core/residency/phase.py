@@ -691,8 +691,9 @@ class MasterTable:
         if ranges:
             def inside(x: torch.Tensor) -> bool:
                 return any(lo <= x.data_ptr() < hi for lo, hi in ranges)
+            all_slots = list(_named_tensor_slots(self.root))
             rebuilt: dict[int, tuple] = {}        # old host wrapper id -> (leaves, wrapper): tied twins share one
-            for name, owner, attr, is_param, t in list(_named_tensor_slots(self.root)):
+            for name, owner, attr, is_param, t in all_slots:
                 w = self.wrapped.get(name)
                 if w is None or not any(inside(x) for _, x in w.leaves):
                     continue
@@ -705,9 +706,9 @@ class MasterTable:
                 if t is old_host:                 # the module still holds the host wrapper: it moves with it
                     _set_slot(owner, attr, is_param, w.host)
                 moved += 1
-            slots = {n: t for n, _, _, _, t in _named_tensor_slots(self.root)}
+            slots = {n: t for n, _, _, _, t in all_slots}
             for name, m in self.masters.items():
-                if any(lo <= m.host.data_ptr() < hi for lo, hi in ranges):
+                if inside(m.host):
                     t = slots.get(name)
                     with torch.inference_mode(m.host.is_inference()):
                         fresh = m.host.clone()
