@@ -693,7 +693,8 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
 _SERIAL = iter(range(1, 1 << 62))
 
 
-def _release_joined(group_ref, key: str) -> None:
+def _release_member(group_ref, key: str) -> None:
+    """A member no output uses any more: what it pinned goes too (its pinned pieces would hold its weights)."""
     group = group_ref()
     for store in (group._stores.values() if group is not None else ()):
         store.release(key)
@@ -707,10 +708,17 @@ class PhaseGroup:
         self.node_id = node_id
         self.serial = next(_SERIAL)
         self.last_active = 0                  # _SERIAL value of this group's latest phase start
-        self.components: dict[str, Component] = {}
-        # models that joined in a component's role since (QuantizeDiT's copy of the diffusion model): held weakly,
-        # so a copy no output uses any more leaves the group
+        # held weakly, like the models that joined since in a component's role (QuantizeDiT's copy of the diffusion
+        # model): the patchers hold their component, and each component holds the group, so a model no output uses
+        # any more leaves the group and is freed when ComfyUI drops it (a strong map made a cycle that kept it, its
+        # host copy and its page-locking until the next garbage collection)
+        self.components: "weakref.WeakValueDictionary[str, Component]" = weakref.WeakValueDictionary()
         self._joined: list[weakref.ref[Component]] = []
+        # pin keys whose masters stay pageable (the plan's ``pageable`` roles, and the members that joined in them)
+        self._pageable: dict[str, str] = {}
+        why = "pageable: the plan pins only the other components' host copies (the RAM rule refuses the whole set)"
+        for n in settings.pageable + (("diffusion_model_2",) if "diffusion_model" in settings.pageable else ()):
+            self._pageable[n] = why
         self.records: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.run: RunLedger | None = None
@@ -726,12 +734,7 @@ class PhaseGroup:
         shared one store, which waited on the first GPU's streams only). Ranges two stores pin are shared by count."""
         key = f"{transport.name}:{transport.device}"
         if key not in self._stores:
-            pageable = set(self.settings.pageable) | ({"diffusion_model_2"} if "diffusion_model" in
-                                                      self.settings.pageable else set())
-            why = ("pageable: the plan pins only the other components' host copies (the RAM rule refuses the "
-                   "whole set)")
-            store = PinnedStore(transport, self.settings.pin, self.settings.pin_budget_bytes,
-                                pageable={n: why for n in pageable})
+            store = PinnedStore(transport, self.settings.pin, self.settings.pin_budget_bytes, pageable=self._pageable)
             self._stores[key] = store
             # unregister page-locked masters when the group goes away (before their memory is freed)
             self._finalizers.append(weakref.finalize(self, store.unpin_all))
@@ -744,6 +747,7 @@ class PhaseGroup:
                          offload_device=torch.device(patcher.offload_device),
                          resident=name in self.settings.resident)
         self.components[name] = comp
+        weakref.finalize(comp, _release_member, weakref.ref(self), name).atexit = False
         install(patcher, comp)
         return comp
 
@@ -755,8 +759,11 @@ class PhaseGroup:
                          offload_device=torch.device(patcher.offload_device),
                          resident=name in self.settings.resident, pin_key=f"{name} (joined {next(_SERIAL)})")
         self._joined.append(weakref.ref(comp))
-        # when no output holds it any more, what it pinned goes too (its pinned pieces would hold its weights)
-        weakref.finalize(comp, _release_joined, weakref.ref(self), comp.pin_key).atexit = False
+        weakref.finalize(comp, _release_member, weakref.ref(self), comp.pin_key).atexit = False
+        if name in self._pageable:            # the plan keeps this role's masters pageable: the copy's too
+            self._pageable[comp.pin_key] = self._pageable[name]
+            for store in self._stores.values():
+                store.pageable[comp.pin_key] = self._pageable[name]
         install(patcher, comp)
         return comp
 
@@ -822,7 +829,10 @@ class PhaseGroup:
         if prompt_id is not None:
             _watch_node_finish(self, prompt_id)
         members = self.members()
-        others = [c.module for c in members if c is not comp and not c.resident and c.module is not comp.module]
+        # a member the plan keeps resident stays loaded, except beside another model in its own role (QuantizeDiT's
+        # copy and the input it came from): two diffusion models on the GPU at once is what the node prevents
+        others = [c.module for c in members if c is not comp and c.module is not comp.module
+                  and (not c.resident or c.name == comp.name)]
         loaded = list(mm.current_loaded_models)
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
         evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device
@@ -832,18 +842,23 @@ class PhaseGroup:
             names = sorted({c.name for c in members if c is not comp
                             and any(lm.model.model is c.module for lm in evict if lm.model is not None)})
             for lm in evict:
-                if (ATTACHMENT in (getattr(lm.model, "attachments", None) or {}) or is_dynamic(lm.model)
+                member = next(c for c in members if lm.model.model is c.module)
+                managed = ATTACHMENT in (getattr(lm.model, "attachments", None) or {})
+                if ((managed and not member.resident) or is_dynamic(lm.model)
                         or torch.device(lm.device) == torch.device(getattr(lm.model, "offload_device", lm.device))):
                     # released by the swap; or by DynamicVRAM, which gives back its VRAM and copies nothing home; or
                     # nothing to copy (it loads where it lives)
                     continue
-                # loaded through a patcher PhaseOffload does not manage (another branch of the graph uses the same
-                # model without the node): ComfyUI's own unload copies it back, and the next load re-adopts it
-                name = next(c.name for c in members if lm.model.model is c.module)
+                # kept resident by the plan, so it has no masters; or loaded through a patcher PhaseOffload does not
+                # manage (another branch of the graph uses the same model without the node): ComfyUI's own unload
+                # copies it back (and the next load re-adopts it)
                 n = int(lm.model_loaded_memory()) if callable(getattr(lm, "model_loaded_memory", None)) else 0
-                self.record(name, "released by ComfyUI", h2d=0, d2h=n, swapped=0, seconds=0.0)
-                note = (f"{name} was loaded by a patcher this node does not manage (the same model used without it "
-                        "elsewhere in the graph): ComfyUI copied it back to the host itself, and the next phase "
+                self.record(member.name, "released by ComfyUI", h2d=0, d2h=n, swapped=0, seconds=0.0)
+                note = (f"{member.name} is kept on the GPU by the plan, but another model in its role loaded (a "
+                        "QuantizeDiT copy and the model it came from): ComfyUI copied it back to the host itself"
+                        if managed else
+                        f"{member.name} was loaded by a patcher this node does not manage (the same model used without "
+                        "it elsewhere in the graph): ComfyUI copied it back to the host itself, and the next phase "
                         "re-adopts it")
                 if note not in self.notes:
                     self.notes.append(note)

@@ -225,7 +225,8 @@ def test_a_release_by_comfyui_is_booked_as_a_copy_home_only_when_comfyui_copies(
 
     dit, vae = nn.Linear(4, 4), nn.Linear(4, 4)
     group = P.PhaseGroup(P.PhaseSettings(pin="off"))
-    group.add("diffusion_model", Patcher(dit))
+    dit_patcher = Patcher(dit)          # the node's MODEL output: it holds the component
+    group.add("diffusion_model", dit_patcher)
     vae_patcher = Patcher(vae)
     group.add("vae", vae_patcher)
     mm.current_loaded_models.append(SimpleNamespace(model=Patcher(dit), device=torch.device("cuda", 0),
@@ -289,3 +290,75 @@ def test_the_latest_ledger_is_the_most_recently_active_groups(monkeypatch):
     latest = P.latest_ledger()
     assert latest["prompt_id"] == "prompt-new", latest
     assert not older._open                           # the open phase was closed all the same
+
+
+class _Patcher:
+    """The fields of a ComfyUI ModelPatcher PhaseOffload reads (its class is swapped, so not a SimpleNamespace)."""
+
+    def __init__(self, module, load_device=torch.device("cuda", 0)):
+        self.model, self.load_device, self.offload_device = module, load_device, torch.device("cpu")
+        self.attachments, self.weight_inplace_update = {}, False
+
+
+def test_a_copy_joining_a_pageable_role_stays_pageable(monkeypatch):
+    """Found in review: a plan pins with ``pin=on`` but keeps the diffusion model's masters pageable (the RAM rule
+    refuses the whole set). QuantizeDiT's copy joining in that role was pinned anyway, under its own pin key, which
+    the store's pageable list did not name."""
+    from comfyui_levers.core.residency import pinned
+    from comfyui_levers.core.residency.transport import CpuTransport, PinResult
+
+    class FakeCuda(CpuTransport):
+        name = "fakecuda"
+
+        def __init__(self):
+            super().__init__()
+            self.device = torch.device("cuda", 0)
+
+        def pin(self, t):
+            return PinResult(True, "pinned in place", t.nbytes)
+
+        def unpin(self, t):
+            pass
+
+    transport = FakeCuda()
+    monkeypatch.setattr(P, "make_transport", lambda dev: transport)
+    monkeypatch.setattr(pinned, "_is_pinned", lambda p: False)
+    group = P.PhaseGroup(P.PhaseSettings(pin="on", pageable=("diffusion_model",)))
+    dm, te = _Patcher(nn.Linear(16, 16)), _Patcher(nn.Linear(16, 16))
+    comp = group.add("diffusion_model", dm)
+    comp.stage(dm)
+    group.add("text_encoder", te).stage(te)
+    joined = group.add_member("diffusion_model", q := _Patcher(nn.Linear(16, 16)))
+    joined.stage(q)
+    assert not comp.table.pin_outcome.pinned and "pageable: the plan" in comp.table.pin_outcome.reason
+    assert not joined.table.pin_outcome.pinned and "pageable: the plan" in joined.table.pin_outcome.reason
+    assert te.attachments[P.ATTACHMENT].table.pin_outcome.pinned          # the other roles are pinned
+
+
+def test_a_model_no_output_uses_is_freed_without_waiting_for_the_garbage_collector():
+    """Found in review: the group held its components and each component its group, a reference cycle: a model
+    ComfyUI dropped (a new checkpoint loaded) stayed alive with its host copy and page-locking until the next cyclic
+    collection, and ComfyUI logged a potential memory leak. The group holds its components weakly; what a member
+    pinned goes with it."""
+    import gc
+    import weakref
+    import comfyui_levers.bridge.prefetch  # noqa: F401  (imported lazily by the first stage; not under test)
+
+    gc.collect()
+    gc.disable()
+    try:
+        group = P.PhaseGroup(P.PhaseSettings(pin="off"))
+        dm = _Patcher(nn.Linear(8, 8), load_device=torch.device("cpu", 0))
+        te = _Patcher(nn.Linear(8, 8), load_device=torch.device("cpu", 0))
+        group.add("diffusion_model", dm).stage(dm)
+        group.add("text_encoder", te).stage(te)
+        module, group_ref = weakref.ref(dm.model), weakref.ref(group)
+        store = next(iter(group._stores.values()))
+        assert "diffusion_model" in store._by_component
+        del dm
+        assert module() is None                                   # freed at once, no collection needed
+        assert set(group.components) == {"text_encoder"} and "diffusion_model" not in store._by_component
+        del group, te
+        assert group_ref() is None
+    finally:
+        gc.enable()

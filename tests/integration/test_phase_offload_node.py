@@ -1022,6 +1022,32 @@ def test_quantize_dit_after_the_node_puts_the_quantized_model_in_the_phase_group
     assert phases[-2:] == ["sample", "decode"], phases
 
 
+def test_a_quantized_copy_of_a_resident_diffusion_model_takes_its_place_on_the_gpu(comfy_env, tiny_wan):
+    """Found in review: with a plan that keeps the diffusion model on the GPU, QuantizeDiT after the node (its quality
+    check loads the input) left both diffusion models loaded through sampling and decoding: the copy joined as
+    resident too, and residents released nobody. Members in the same role release each other; the copy stays
+    resident through the decode, as the plan asks, and the input's release is booked as ComfyUI's copy home."""
+    from comfyui_levers.bridge.phase import PhaseSettings, apply
+
+    env = comfy_env
+    quant = next(c for c in env.levers_nodes.NODE_CLASSES if c.__name__ == "LeversQuantizeDiT")
+    env.mm.unload_all_models()
+    out = apply(_host_offload(tiny_wan.load_model()), None, tiny_wan.load_vae(),
+                PhaseSettings(resident=("diffusion_model",)))
+    m, v = out.model, out.vae
+    r = quant.execute(m, format="fp8_e4m3fn", quality_check=True)
+    q, text = (r.args if hasattr(r, "args") else r.result)[:2]
+    assert "quality check" in text and _dit_entries(env, m.model)       # the check loaded the input
+    latent = tiny_wan.sample(q)
+    assert _dit_entries(env, q.model) and not _dit_entries(env, m.model)
+    tiny_wan.decode(v, latent)
+    assert _dit_entries(env, q.model) and not _dit_entries(env, m.model)
+    run = out.group.ledger()["run"]
+    assert any(e.get("kind") == "released by ComfyUI" and e.get("component") == "diffusion_model"
+               for p in run["phases"] for e in p.get("events", [])) or any(
+        "kept on the GPU by the plan, but another model in its role loaded" in n for n in out.group.notes)
+
+
 @pytest.mark.parametrize("case", ["model_2_shares_it", "quantize_model_2", "two_quantize_nodes"])
 def test_quantized_copies_and_the_models_they_came_from_take_turns(comfy_env, tiny_wan, case):
     """Found in review of the first version, which replaced the group's component by name: a model_2 sharing the
