@@ -939,6 +939,51 @@ def test_a_tensor_shared_between_blocks_stays_resident_and_counts_in_the_budget(
         h.remove()
 
 
+class _OtherDevice(CpuTransport):
+    """A device no host tensor is on (cpu:0): the engine moves to it what it would move to a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.device = torch.device("cpu", 0)
+
+
+@pytest.mark.parametrize("manage_resident", [True, False])
+def test_a_tensor_shared_between_blocks_goes_to_the_device_under_every_name(manage_resident):
+    """Found in review: the shared tensor was moved to the device under its first block's name only; the second
+    block kept the host tensor (on a GPU: a CPU weight in a CUDA matmul), and removing the engine left the moved copy
+    under the first name."""
+    m = make_wan(n=6)
+    shared = m.blocks[2].o.weight
+    m.blocks[3].o.weight = shared
+    h = apply_group_prefetch(m, PrefetchConfig(1, 1, 0, BIG, partial_blocks=False, manage_resident=manage_resident),
+                             _OtherDevice(), bandwidth=0)
+    try:
+        assert [why for _, why in h.store.kept] == ["shared between blocks"]
+        assert m.blocks[2].o.weight is not shared                    # moved (a copy on the device)
+        assert m.blocks[3].o.weight is m.blocks[2].o.weight
+    finally:
+        h.remove()
+    assert m.blocks[2].o.weight is shared and m.blocks[3].o.weight is shared
+
+
+def test_a_tied_weight_replaced_under_one_name_asks_for_a_new_store():
+    """Found in review: ComfyUI patches a LoRA key by key, keeping the old object as its backup; for a weight tied
+    under two names in one block, refresh re-bound every name to the host copy, the backup included, which then held
+    the patched values (the LoRA stuck after ComfyUI put the backup back). Nothing is re-staged; the caller builds
+    a new store, in which the two names are two weights."""
+    m = make_wan(n=4)
+    m.blocks[1].k.weight = m.blocks[1].q.weight
+    transport = CpuTransport()
+    store = HostStore([(f"blocks.{i}", b) for i, b in enumerate(m.blocks)], transport)
+    backup = m.blocks[1].q.weight
+    backup.data = backup.data.clone()                 # the bridge gives a weight it lets ComfyUI patch its own memory
+    original = backup.detach().clone()
+    m.blocks[1].q.weight = torch.nn.Parameter(backup.data + 1, requires_grad=False)
+    with pytest.raises(RuntimeError, match="tied under two names"):
+        store.refresh(transport)
+    assert torch.equal(backup, original) and m.blocks[1].k.weight is backup
+
+
 def test_a_block_tensor_the_model_also_uses_outside_the_blocks_stays_resident():
     """The head's layer is also a submodule of the last block: streamed, the head would run after the blocks with
     the block's weights back on the host or in a slot the next group overwrites (on a GPU)."""

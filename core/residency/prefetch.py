@@ -365,6 +365,7 @@ class HostStore:
             for t in list(block.parameters()) + list(block.buffers()):
                 owners.setdefault(id(t), set()).add(b)
         by_id: dict[int, _Entry | _Wrapped | None] = {}
+        kept_ids: set[int] = set()
         cursor: dict[torch.dtype, int] = {}
 
         def add(b: int, t: torch.Tensor, refs: list[_Ref], wrapped: _Wrapped | None = None) -> _Entry:
@@ -395,8 +396,10 @@ class HostStore:
                         ref = _Ref(mod, name, is_param)
                         full = f"{bname}.{mname + '.' if mname else ''}{name}"
                         if id(t) in by_id:
-                            tied = by_id[id(t)]       # tied inside one block
+                            tied = by_id[id(t)]       # tied (inside one block, or to an earlier block if kept)
                             tied.refs.append(ref)
+                            if id(t) in kept_ids:
+                                self.kept_refs.append(ref)    # every name of a kept tensor goes to the device
                             for path, e in getattr(tied, "leaves", ()):
                                 e.refs.append(_Ref(mod, name, is_param, path))
                             continue
@@ -418,6 +421,7 @@ class HostStore:
                         if why is not None:
                             self.kept.append((full, why))
                             self.kept_refs.append(ref)
+                            kept_ids.add(id(t))
                             by_id[id(t)] = _Entry([ref], b, t.dtype, (), (), 0, 0, t.device)  # placeholder
                             continue
                         if inner is not None:
@@ -764,11 +768,19 @@ class HostStore:
         any whose sampled values no longer match the packed form's fingerprint."""
         changed, d2h = [], False
         forced = {id(e) for e in force}
+        for e in self.entries:
+            t = e.refs[0].get()
+            if t is None:
+                raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
+            if any(r.get() is not t for r in e.refs[1:]):
+                # a weight tied under two names, replaced under one (ComfyUI patches a LoRA key by key and keeps the
+                # old object as its backup): the names are two weights now, which this copy does not describe;
+                # checked before anything is re-staged (rebinding every name would bind the backup to the patch)
+                raise RuntimeError(f"{self.block_names[e.block]}: a weight tied under two names was replaced under "
+                                   "one of them; rebuild the prefetch store")
         with torch.no_grad(), torch.inference_mode(self.inference):
             for e in self.entries:
                 t = e.refs[0].get()
-                if t is None:
-                    raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
                 v = subclass.plain(t.data)     # a storage subclass's real layout, not its logical shape
                 same = (v.data_ptr() == e.host_view.data_ptr() and v.dtype == e.dtype
                         and tuple(v.shape) == e.shape and tuple(v.stride()) == e.stride and v.device.type == "cpu")
@@ -1532,6 +1544,7 @@ class PrefetchHandle:
                 if t is None or t.device == self.device:
                     continue
                 if id(t) in done:
+                    self._moved.append((ref, t))      # each name is put back on removal
                     _set(ref, done[id(t)])
                     continue
                 moved = self._to_device(t, "remainder")

@@ -333,6 +333,32 @@ def test_lora_on_and_off_alternating_never_sticks(comfy_env, tiny_wan, fp8):
     assert all(ok for _, ok in got), got
 
 
+def test_a_lora_on_one_name_of_a_tied_weight_patches_only_that_name(comfy_env, tiny_wan):
+    """Found in review: a weight tied under two names in a streamed block (here q and k of block 3), a LoRA on one
+    of them. ComfyUI backs up the object and puts the patched weight under that name only; the store re-bound every
+    name of the tied weight to its host copy, ComfyUI's backup included: the other name ran patched, and once
+    ComfyUI put the backup back the LoRA stayed. The names are two weights now: the host copy is built again."""
+    key = "diffusion_model.blocks.3.self_attn.q.weight"
+
+    def tied():
+        model = tiny_wan.load_model()
+        attn = model.model.diffusion_model.blocks[3].self_attn
+        attn.k.weight = attn.q.weight
+        lora = model.clone()
+        g = torch.Generator().manual_seed(3)
+        lora.add_patches({key: (torch.randn(attn.q.weight.shape, generator=g) * 0.05,)}, 1.0)
+        return model, lora
+    model, lora = tied()                   # stock ComfyUI, for the references
+    ref, ref_lora = tiny_wan.sample(model)["samples"], tiny_wan.sample(lora)["samples"]
+    assert not torch.equal(ref, ref_lora)
+    model, lora = tied()                   # the host copy is built while the weight is still tied
+    streamed_lora, streamed = _prefetch(comfy_env, lora)[0], _prefetch(comfy_env, model)[0]
+    runs = [("node", streamed, ref), ("node + LoRA", streamed_lora, ref_lora), ("node", streamed, ref),
+            ("ComfyUI", model, ref), ("ComfyUI + LoRA", lora, ref_lora), ("node", streamed, ref)]
+    got = [(name, torch.equal(tiny_wan.sample(m)["samples"], want)) for name, m, want in runs]
+    assert all(ok for _, ok in got), got
+
+
 def test_too_few_groups_to_cycle_through_the_slots_load_with_comfyui(comfy_env, tiny_wan):
     """4 blocks in groups of 2 with one resident: the one streamed group would keep a slot and move nothing."""
     from comfyui_levers.bridge.prefetch import slots_hold_all
