@@ -1022,6 +1022,31 @@ def test_quantize_dit_after_the_node_puts_the_quantized_model_in_the_phase_group
     assert phases[-2:] == ["sample", "decode"], phases
 
 
+def test_two_nodes_on_one_model_swap_with_the_same_masters(comfy_env, tiny_wan):
+    """Found in review: two PhaseOffload nodes on the same MODEL (two branches of one graph) each kept masters of its
+    own. ComfyUI leaves the weights on the device when it switches from one node's clone to the other's, as the first
+    node's copies, which the second node's masters did not know: its release was ComfyUI's copy home into new host
+    memory, while the first node's masters held the old memory (the model twice in RAM). Both use one table now."""
+    from comfyui_levers.bridge.phase import ATTACHMENT, PhaseSettings, apply
+
+    env = comfy_env
+    env.mm.unload_all_models()
+    model = _host_offload(tiny_wan.load_model())
+    a = apply(model, None, tiny_wan.load_vae(), PhaseSettings())
+    b = apply(model, None, tiny_wan.load_vae(), PhaseSettings())
+    for _ in range(2):
+        tiny_wan.sample(a.model)
+        latent = tiny_wan.sample(b.model)
+        tiny_wan.decode(a.vae, latent)        # a's decode releases the diffusion model, loaded under b's clone
+    assert a.group.ledger()["totals"]["d2h_bytes"] == 0 and b.group.ledger()["totals"]["d2h_bytes"] == 0
+    now = {n: p.data_ptr() for n, p in a.model.model.named_parameters()}
+    for out in (a, b):                        # every master is the model's own host memory: one copy in RAM
+        masters = out.model.attachments[ATTACHMENT].table.masters
+        stale = [n for n, m in masters.items() if n in now and m.host.data_ptr() != now[n]]
+        assert not stale, f"{len(stale)} of {len(masters)} masters hold a second host copy"
+    assert b.model.attachments[ATTACHMENT].table is a.model.attachments[ATTACHMENT].table
+
+
 def test_a_quantized_copy_of_a_resident_diffusion_model_takes_its_place_on_the_gpu(comfy_env, tiny_wan):
     """Found in review: with a plan that keeps the diffusion model on the GPU, QuantizeDiT after the node (its quality
     check loads the input) left both diffusion models loaded through sampling and decoding: the copy joined as
