@@ -41,6 +41,10 @@ timeout 60 python3 -m pytest tests/test_prefetch_schedule.py -q -m cuda -k induc
     > "$OUT/cuda-inductor.log" 2>&1
 echo "cuda inductor test: exit $? (log in $OUT/cuda-inductor.log)"
 tail -3 "$OUT/cuda-inductor.log"
+# PhaseOffload's engine numbers on a 4 GiB bf16 stack (the README's "Measured" table): raw pinned copy, onload
+# pinned and pageable, apply (page-locking) seconds
+timeout 60 python3 tests/test_phase_cuda.py --gib 4 > "$OUT/phase-cuda-bench.json" 2> "$OUT/phase-cuda-bench.log"
+echo "phase engine bench: exit $? ($OUT/phase-cuda-bench.json)"
 LEFT=$(( LIMIT - ($(date +%s) - T0) - 70 ))      # 70 s: the suite's start-up, its watchdog grace and the plot
 [ "$LEFT" -gt 450 ] && LEFT=450
 

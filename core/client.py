@@ -1653,7 +1653,10 @@ def run(args) -> int:
         uploads = [parse_input(text) for text in args.inputs]
         if not workflow:
             raise WorkflowError(validate_api(workflow, {})[0])
-        object_info = client.object_info()
+        # an API prompt printed unchecked and unchanged needs nothing from the server (a UI file, a check, --set and
+        # --input read its node list)
+        offline = args.dry_run and args.no_validate and not is_ui_format(workflow) and not args.sets and not uploads
+        object_info = {} if offline else client.object_info()
         sets = [*args.sets, *(f"{a.node}.{a.input}={os.path.basename(a.raw)}" for a in uploads)]
         api = prepare_prompt(workflow, with_uploads(object_info, uploads), sets, validate=not args.no_validate)
         if not args.dry_run:

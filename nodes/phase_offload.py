@@ -109,10 +109,34 @@ class LeversPhaseOffload(io.ComfyNode):
         hidden = getattr(cls, "hidden", None)   # set by ComfyUI's executor; None when called directly
         m, c, v, group, m2 = apply(model, clip, vae, settings, node_id=getattr(hidden, "unique_id", None),
                                    model_2=model_2)
+        note = fp8_text_encoder_note(plan, clip)
+        if note:
+            group.notes.append(note)
         report = report_text(group)
         if m2 is None:
             m2 = _unconnected_model_2()
         return io.NodeOutput(m, c, v, report, m2, ui=ui.PreviewText(report))
+
+
+def fp8_text_encoder_note(plan, clip) -> str | None:
+    """A line when the plan's text encoder is fp8 but the connected one is stored wider: no node converts it (the
+    plan's peak and host RAM assumed the fp8 file)."""
+    if plan is None or clip is None:
+        return None
+    try:
+        te = plan.component("text_encoder")
+    except KeyError:
+        return None
+    if str(te.precision) != "fp8_e4m3fn":
+        return None
+    from ..bridge.recommend import _param_stats
+
+    params, nbytes, _ = _param_stats(clip.cond_stage_model)
+    if not params or nbytes / params < 1.5:
+        return None
+    return (f"the plan's text encoder is fp8, but the connected one is stored at {nbytes / params:.0f} bytes a weight "
+            "(the plan's peak and host RAM assume the fp8 file): load ComfyUI's *_fp8_e4m3fn encoder file (e.g. "
+            "t5xxl_fp8_e4m3fn_scaled, umt5_xxl_fp8_e4m3fn_scaled); no node converts a 16-bit encoder to fp8")
 
 
 def _unconnected_model_2():

@@ -753,6 +753,17 @@ def test_levers_run_dry_run_prints_the_prompt_without_submitting(api_file, capsy
     assert json.loads(capsys.readouterr().out)["3"]["inputs"]["seed"] == 5
 
 
+def test_a_dry_run_of_an_api_prompt_without_checks_needs_no_server(api_file, capsys):
+    """Found in review: the README says --dry-run with --no-validate runs without the checks (before the model files
+    are in place), yet it asked the server for its node list first and exited 3 with no ComfyUI running. An API
+    prompt printed unchecked and unchanged needs no server; a UI file or a --set still does (they read its list)."""
+    dead = "http://127.0.0.1:1"
+    assert _cli(["run", str(api_file), "--server", dead, "--dry-run", "--no-validate"]) == C.EXIT_OK
+    assert json.loads(capsys.readouterr().out) == C.normalize_links(json.loads(api_file.read_text()))
+    assert _cli(["run", str(api_file), "--server", dead, "--dry-run", "--no-validate",
+                 "--set", "3.seed=5"]) == C.EXIT_UNREACHABLE
+
+
 # ---------------------------------------------------------------------------------------------
 # The shipped example workflows
 # ---------------------------------------------------------------------------------------------

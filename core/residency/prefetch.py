@@ -812,9 +812,10 @@ class HostStore:
         return len(changed)
 
     def restore(self, transport: Transport, keep: Sequence[nn.Module] = ()) -> None:
-        """Give every streamed tensor its own storage again (on its original device, same strides,
-        same values) and unpin the arenas. The store is unusable afterwards. Each segment is unpinned and let go
-        as soon as its tensors are restored: RAM holds the streamed bytes once plus one segment, not twice.
+        """Give every streamed tensor its own storage again (on its original device, same values; same strides where
+        the tensor is dense, an expanded or overlapping one contiguous) and unpin the arenas. The store is unusable
+        afterwards. Each segment is unpinned and let go as soon as its tensors are restored: RAM holds the streamed
+        bytes once plus a segment or two, not twice.
 
         ``keep``: blocks a store built next streams too (a rebuild for another layout). Their tensors stay where
         they are, with every segment holding one of them, for that store to take over or copy from (``adopt``);

@@ -374,8 +374,8 @@ def wan_12gb(oi: dict) -> Graph:
     g.note(1, f"""Wan 2.1 14B text-to-video (832x480, 33 frames) on a 12 GB card.
 
 14 B parameters are 28 GB in bf16 and still 14 GB in fp8: more than the card. So:
-- group prefetch keeps the transformer blocks in host RAM and streams them to the GPU a group ahead of compute, on a side stream; at video lengths the copy hides behind the math, even from pageable memory, so the weights can stay bf16 (with 64 GB of RAM the plan pins the text encoder and the VAE rather than the 28 GB of bf16 weights: the RAM rule allows one or the other, and the blocks' copies hide either way);
-- QuantizeDiT (format auto) follows the plan: with 64 GB of RAM the plan keeps bf16 (37 GB of host copies) and the node passes the model through; with 32 GB it plans fp8 (half the bytes to hold and move) and the node quantizes;
+- group prefetch keeps the transformer blocks in host RAM and streams them to the GPU a group ahead of compute, on a side stream; at video lengths the copy hides behind the math, even from pageable memory, so the weights can stay bf16 (with 64 GB of RAM and this graph's fp8 text encoder the plan pins the blocks' host copies and the encoder's; with 48 GB the RAM rule allows only the encoder's, and the blocks' copies hide either way);
+- QuantizeDiT (format auto) follows the plan: with 64 GB of RAM the plan keeps bf16 (about 32 GiB of host copies with this graph's fp8 text encoder) and the node passes the model through; with 32 GB it plans fp8 (half the bytes to hold and move) and the node quantizes;
 - the video VAE decodes in temporal tiles (chunks of latent frames, carried causal cache) and spatial tiles sized to what is free.
 
 On Windows/WSL, where pinning is limited, the plan streams from pageable memory (slower) and says so in its report.
@@ -432,7 +432,7 @@ def wan22_16gb(oi: dict) -> Graph:
 Wan 2.2 A14B is two 14 B experts: the high-noise one samples the first half of the steps, the low-noise one the rest. Each is 14 GB in fp8, so one fits next to nothing else and two never fit together. So:
 - Recommend gets both experts (model and model_2): it plans for one on the GPU at a time and for both in host RAM;
 - PhaseOffload gets both too (model and model_2): when the low-noise expert starts, the high-noise one leaves the GPU by a pointer swap (no copy back), and the text encoder and the VAE each get the GPU to themselves;
-- a GroupPrefetch on each expert streams its blocks from host RAM a group ahead of compute, so the activations of 81 frames fit next to the resident blocks (with 64 GB of RAM the two experts' 57 GB of bf16 weights stay pageable, as the RAM rule cannot pin them twice over; their copies hide behind 81 frames of compute);
+- a GroupPrefetch on each expert streams its blocks from host RAM a group ahead of compute, so the activations of 81 frames fit next to the resident blocks (with 64 GB of RAM the plan pins the two experts' 27 GiB of fp8 weights and leaves the text encoder pageable, as the RAM rule cannot pin both twice over; the copies hide behind 81 frames of compute);
 - the video VAE decodes in temporal chunks (causal cache carried, exact) and spatial tiles sized to what is free.
 
 Needs about 36 GB of free host RAM (both experts and the text encoder). With less, set goal = fit on the plan node, or use smaller GGUF files (they stream too).
@@ -497,9 +497,9 @@ def quantize_and_save(oi: dict) -> Graph:
                    unet_name=SAVED_FP8, weight_dtype="default")
     g.note(1, f"""Quantize once, save, then load the small file with the stock loader.
 
-Run this graph once: QuantizeDiT turns FLUX.1-dev into fp8 weights (per-tensor scaled E4M3, ComfyUI's own quantized checkpoint layout; embedders, modulation, norms and the final layer stay 16-bit) and writes models/diffusion_models/{SAVED_FP8}: about 12 GB instead of 24 GB. It never overwrites an existing file: delete or rename the old one to redo it.
+Run this graph once: QuantizeDiT turns FLUX.1-dev into fp8 weights (per-tensor scaled E4M3, ComfyUI's own quantized checkpoint layout; embedders, modulation, norms and the final layer stay 16-bit) and writes models/diffusion_models/{SAVED_FP8}: about 15 GB (14 GiB) instead of 24 GB (modulation = quantize on the node makes it about 12 GB, with more loss: those linears scale every activation). It never overwrites an existing file: delete or rename the old one to redo it.
 
-Then use the stock "Load Diffusion Model" with that file in any workflow (the muted loader on the right shows it; select it and press Ctrl+M to enable it), without a QuantizeDiT node: loading reads half the bytes from disk and needs half the RAM.
+Then use the stock "Load Diffusion Model" with that file in any workflow (the muted loader on the right shows it; select it and press Ctrl+M to enable it), without a QuantizeDiT node: loading reads about 60% of the bytes from disk and needs about 60% of the RAM.
 
 Quantizing needs the 16-bit model in host RAM once. format = int8 (torchao, per-row) or nf4 (bitsandbytes, smallest, visibly lossy) are alternatives; only fp8 per_tensor files load correctly with the stock loader (from ComfyUI 0.3.7x on); the others need Load Quantized DiT (Levers).""")
     g.group("Run once: quantize and save", unet, quant, *reports)

@@ -913,6 +913,25 @@ def test_the_plans_pinning_reaches_the_components_that_move(comfy_env):
     assert settings_from(part, "auto", "auto", "auto", "on", "auto").pageable == ()     # the widget wins
 
 
+def test_a_plans_fp8_text_encoder_beside_a_16_bit_one_gets_a_line(comfy_env, tiny_wan):
+    """Found in review: a plan often chooses an fp8 text encoder (the speed goal for FLUX on 16 GiB), which means
+    loading ComfyUI's fp8 encoder file; no node converts a 16-bit one, and PhaseOffload ignored the plan's fp8 in
+    silence (the plan's peak and host RAM then assumed half the encoder's bytes). The report says what to load."""
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024), synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25),
+             "speed")
+    assert str(p.text_encoder.precision) == "fp8_e4m3fn", p.text_encoder
+    model = _host_offload(tiny_wan.load_model())
+    cpu = dict(plan=p, model_device="cpu", text_encoder_device="cpu")        # the plan is for a 16 GiB card
+    _, _, _, report = _run_node(comfy_env, model, _stand_in_clip(comfy_env), **cpu)
+    assert "the plan's text encoder is fp8, but the connected one is stored at 2 bytes a weight" in report, report
+    _, _, _, report = _run_node(comfy_env, model, _stand_in_clip(comfy_env, torch.float8_e4m3fn), **cpu)
+    assert "the plan's text encoder is fp8" not in report, report
+
+
 def test_a_component_the_plan_keeps_resident_stays_on_the_gpu_across_phases(comfy_env, tiny_wan):
     """A plan that keeps the diffusion model resident sized the encode and decode phases with it on the GPU, and gave
     it no host copy: PhaseOffload must not release it when the VAE decodes, nor keep a master of it (which it would
