@@ -137,6 +137,22 @@ def test_store_pins_once_and_releases_exactly_its_own():
     assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
 
 
+def test_memory_two_components_share_stays_pinned_until_the_last_lets_go():
+    """Found in review: QuantizeDiT's copy shares the input's unquantized tensors, and both are masters in one store.
+    The second component's pin found the ranges registered and took no record of them: releasing the first
+    unregistered memory the second still copied from (pageable from then on, while its outcome said pinned)."""
+    tr = PinningTransport()
+    store = _store(tr)
+    shared, own = torch.randn(256), torch.randn(256)
+    store.pin_component("diffusion_model", group_by_storage([("norm", shared)]))
+    out = store.pin_component("diffusion_model (joined 1)", group_by_storage([("norm", shared), ("w", own)]))
+    assert out.pinned and sorted(tr.pinned) == sorted([shared.data_ptr(), own.data_ptr()])
+    store.release("diffusion_model")
+    assert tr.unpinned == []                                     # the copy still uses it
+    store.release("diffusion_model (joined 1)")
+    assert sorted(tr.unpinned) == sorted(tr.pinned) and store.pinned_bytes == 0
+
+
 def test_a_component_the_plan_leaves_pageable_is_never_pinned_while_the_others_are():
     tr = PinningTransport()
     store = PinnedStore(tr, "on", None, available_ram_bytes=64 * GIB, total_ram_bytes=128 * GIB, os_name="linux",

@@ -259,6 +259,9 @@ class PinnedStore:
         self.has_cuda = (transport.device.type == "cuda") if has_cuda is None else has_cuda
         self.pinned_bytes = 0
         self._mine: dict[int, torch.Tensor] = {}    # host ptr -> flat tensor we registered
+        # host ptr -> the components whose masters use that range (QuantizeDiT's copy shares the input's unquantized
+        # tensors): it stays registered until the last of them lets go
+        self._users: dict[int, set[str]] = {}
         self._by_component: dict[str, dict[int, torch.Tensor]] = {}
         self._failed: dict[str, str] = {}           # component -> reason its pinning failed
         self.outcomes: dict[str, PinOutcome] = {}
@@ -279,6 +282,9 @@ class PinnedStore:
         mine = self._by_component.setdefault(component, {})
         self._drop(component, keep={p.data_ptr() for p in pieces})
         ours = [p for p in pieces if p.data_ptr() in self._mine]
+        for p in ours:                # page-locked already, by this component or another one sharing the memory
+            mine[p.data_ptr()] = self._mine[p.data_ptr()]
+            self._users.setdefault(p.data_ptr(), set()).add(component)
         # memory another Levers store page-locked (this node run before on the same cached model): this store takes
         # a use of it, so the other's unpin (when ComfyUI drops the old node output) leaves it pinned
         shared = [p for p in pieces if p.data_ptr() not in self._mine and pinned_by_levers(p)]
@@ -325,6 +331,7 @@ class PinnedStore:
                 return outcome
             done.append(piece)
             self._mine[piece.data_ptr()] = piece
+            self._users.setdefault(piece.data_ptr(), set()).add(component)
             mine[piece.data_ptr()] = piece
             self.pinned_bytes += tensor_nbytes(piece)
         how = "pinned in place" if need or ours or shared else "already page-locked"
@@ -359,9 +366,13 @@ class PinnedStore:
 
     def _unpin(self, component: str, piece: torch.Tensor) -> None:
         ptr = piece.data_ptr()
-        if self._mine.pop(ptr, None) is not None:
-            self.transport.unpin(piece)
-            self.pinned_bytes -= tensor_nbytes(piece)
+        users = self._users.get(ptr, set())
+        users.discard(component)
+        if not users:
+            self._users.pop(ptr, None)
+            if self._mine.pop(ptr, None) is not None:
+                self.transport.unpin(piece)
+                self.pinned_bytes -= tensor_nbytes(piece)
         self._by_component.get(component, {}).pop(ptr, None)
 
     def _drop(self, component: str, keep: set[int]) -> None:
@@ -418,6 +429,7 @@ class PinnedStore:
         for piece in self._mine.values():
             self.transport.unpin(piece)
         self._mine.clear()
+        self._users.clear()
         self._by_component.clear()
         self.pinned_bytes = 0
 
