@@ -163,17 +163,9 @@ class Component:
 
     def _table(self, patcher) -> MasterTable:
         if self.table is None:
-            shared = _TABLES.get(self.module)
-            self.table = shared() if shared is not None else None
-        if self.table is None:
             transport = make_transport(patcher.load_device)
             self.table = MasterTable(self.module, self.pin_key or self.name, transport,
                                      self.group.store_for(transport))
-            # one table per model: a second PhaseOffload node on the same model (another branch of the graph) swaps
-            # with the same masters; its own would not know the device copies the first made (ComfyUI leaves them
-            # in place when it switches clones), so its release was ComfyUI's copy home into new host memory while
-            # the first node's masters held the old one
-            _TABLES[self.module] = weakref.ref(self.table)
             # GroupPrefetch's host copy of this model's streamed blocks: their masters point into it once adopted;
             # this node never moves those blocks, and whether the copy is page-locked is GroupPrefetch's decision
             from .prefetch import host_copy_ranges
@@ -699,11 +691,6 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
 # --- the group -----------------------------------------------------------------------------------------
 
 _SERIAL = iter(range(1, 1 << 62))
-
-
-# the masters of each model, shared by every component that manages it (held by those; weakly here, since a table
-# holds its model)
-_TABLES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[MasterTable]]" = weakref.WeakKeyDictionary()
 
 
 def _release_member(group_ref, key: str) -> None:

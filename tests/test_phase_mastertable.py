@@ -409,3 +409,23 @@ def test_masters_in_memory_another_engine_owns_are_not_offered_for_pinning():
     t.foreign = None
     t.let_go({"1.bias"})
     assert "1.weight" in {r.name for g in offered[-1] for r in g.refs}
+
+
+def test_a_second_table_of_the_same_model_sends_the_firsts_device_copies_home_by_pointer():
+    """Found in review: two PhaseOffload nodes on one model (two branches of a graph) keep a table each. ComfyUI
+    leaves the weights on the device as the first node's copies when it switches to the second node's clone, which
+    the second table did not know (on this CPU it even took them for host masters): its release was ComfyUI's copy
+    into new host memory, while both tables' masters kept the old, the model twice in RAM."""
+    m = _model()
+    home = _ptrs(m)
+    first, tr = _table(m)
+    second = MasterTable(m, "dit", tr)
+    second.capture()
+    first.onload(m)                                           # the first node's phase
+    assert all(_ptrs(m)[n] != p for n, p in home.items())
+    second.capture()                                          # the second node's load finds them on the device
+    swapped, left = second.offload(m)                         # ... and its release
+    assert left == 0 and _ptrs(m) == home
+    assert swapped == sum(t.nbytes for t in {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]}.values())
+    assert all(x.dev_ptr == 0 for x in first.masters.values())    # the first table forgets the copies it made
+    assert tr.ledger.d2h_bytes == 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterator, Sequence
 
@@ -549,6 +550,16 @@ class _Master:
     dev_version: int | None = None  # that object's _version right after binding
 
 
+def _ours(m: _Master, t: torch.Tensor) -> bool:
+    """``t`` is the device copy ``m``'s table made, untouched since (same storage, same version)."""
+    return bool(m.dev_ptr and t.data_ptr() == m.dev_ptr and _storage_id(t) == m.dev_storage
+                and _version(t) == m.dev_version and _real_shape(t) == m.host.shape)
+
+
+# model -> its live master tables (more than one: a PhaseOffload node per branch of a graph on the same model)
+_TABLES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[MasterTable]]" = weakref.WeakKeyDictionary()
+
+
 @dataclass
 class _WrappedMaster:
     """A weight held as a wrapper subclass (ComfyUI's fp8 ``QuantizedTensor``): its own device is fixed when it
@@ -622,6 +633,7 @@ class MasterTable:
         # host ranges another Levers engine owns (GroupPrefetch's host copy, read when pinning): masters there are
         # not pinned by this table, whose moves never copy them; whether that memory is page-locked is its owner's
         self.foreign: Callable[[], Sequence[tuple[int, int]]] | None = None
+        _TABLES.setdefault(root, weakref.WeakSet()).add(self)
 
     def _prefix(self, module: torch.nn.Module) -> str | None:
         if id(module) not in self.prefixes:
@@ -634,8 +646,8 @@ class MasterTable:
         for name, _, _, _, t in _named_tensor_slots(self.root):
             if is_traceable_wrapper_subclass(t):
                 w = self.wrapped.get(name)
-                if w is not None and (w.host is t or w.dev is t):
-                    continue              # still its master, or our device wrapper of it
+                if w is not None and (w.host is t or w.dev is t or self._siblings_wrapper(name, t, w) is not None):
+                    continue              # still its master, or our (or another table's) device wrapper of it
                 inner = _wrapped_leaves(t)
                 if inner is not None:
                     self.wrapped[name] = _WrappedMaster(host=t, leaves=inner)
@@ -648,8 +660,9 @@ class MasterTable:
             m = self.masters.get(name)
             if m is not None and ((m.host.data_ptr() == t.data_ptr() and m.host.shape == _real_shape(t)
                                    and m.host.dtype == t.dtype)
-                                  or (m.dev_ptr == t.data_ptr() and _version(t) == m.dev_version)):
-                continue                  # still its master, or our untouched device copy of it
+                                  or (m.dev_ptr == t.data_ptr() and _version(t) == m.dev_version)
+                                  or self._siblings_copy(name, t, m, claim=False)):
+                continue                  # still its master, or our (or another table's) untouched device copy of it
             with torch.inference_mode(False):
                 # a storage subclass (GGUF's GGMLTensor) is mastered as a plain alias of its data: its real
                 # layout, not the logical shape its ``shape`` reports (the object keeps its attributes)
@@ -834,6 +847,9 @@ class MasterTable:
                 w = self.wrapped.get(name)
                 if w is not None:
                     done.append(w)
+                sw = self._siblings_wrapper(name, t, w) if w is not None else None
+                if sw is not None:                        # another table's device wrapper of the same host one
+                    w.dev, w.dev_versions, sw.dev = t, sw.dev_versions, None
                 if w is not None and (t is w.host or t is w.dev):
                     if t is w.host:
                         continue                                  # already home
@@ -846,8 +862,7 @@ class MasterTable:
                 m = self.masters.get(name)
                 if t.data_ptr() == (m.host.data_ptr() if m else -1):
                     continue                                      # already home (tied twin)
-                if (m is not None and m.dev_ptr and t.data_ptr() == m.dev_ptr and _storage_id(t) == m.dev_storage
-                        and _version(t) == m.dev_version and _real_shape(t) == m.host.shape):
+                if m is not None and (_ours(m, t) or self._siblings_copy(name, t, m)):
                     rebind(t, m.host)
                     m.dev_ptr = 0
                     swapped += tensor_nbytes(m.host)
@@ -860,6 +875,34 @@ class MasterTable:
             w.dev = None
         self.swapped_bytes += swapped
         return swapped, left
+
+    def _siblings(self) -> list["MasterTable"]:
+        """The other live tables of this model: another PhaseOffload node on the same model (two branches of one
+        graph) keeps its own masters of the same host memory, each pinned by its own store."""
+        return [t for t in _TABLES.get(self.root, ()) if t is not self]
+
+    def _siblings_wrapper(self, name: str, t: torch.Tensor, w: _WrappedMaster) -> _WrappedMaster | None:
+        """Another table's wrapped master whose device wrapper ``t`` is, around the same host wrapper as ``w``."""
+        if t is w.host or t is w.dev:
+            return None
+        for sib in self._siblings():
+            sw = sib.wrapped.get(name)
+            if sw is not None and sw.dev is t and sw.host is w.host:
+                return sw
+        return None
+
+    def _siblings_copy(self, name: str, t: torch.Tensor, m: _Master, claim: bool = True) -> bool:
+        """Whether ``t`` is another table's untouched device copy of the same host memory as ``m`` (ComfyUI leaves
+        the weights on the device when it switches from one node's clone to the other's): then it goes home by
+        pointer swap too (``claim``), and that table forgets it. Without this, its release was ComfyUI's copy into
+        new host memory, while both tables' masters kept the old: the model twice in RAM."""
+        for sib in self._siblings():
+            sm = sib.masters.get(name)
+            if sm is not None and sm.host.data_ptr() == m.host.data_ptr() and _ours(sm, t):
+                if claim:
+                    sm.dev_ptr = 0
+                return True
+        return False
 
     def release(self) -> None:
         """Forget the masters and unpin what was pinned for them."""

@@ -1045,7 +1045,8 @@ def test_two_nodes_on_one_model_swap_with_the_same_masters(comfy_env, tiny_wan):
     """Found in review: two PhaseOffload nodes on the same MODEL (two branches of one graph) each kept masters of its
     own. ComfyUI leaves the weights on the device when it switches from one node's clone to the other's, as the first
     node's copies, which the second node's masters did not know: its release was ComfyUI's copy home into new host
-    memory, while the first node's masters held the old memory (the model twice in RAM). Both use one table now."""
+    memory, while the first node's masters held the old memory (the model twice in RAM). Each node's masters know
+    the other's device copies of the same host memory now, and send them home by pointer swap."""
     from comfyui_levers.bridge.phase import ATTACHMENT, PhaseSettings, apply
 
     env = comfy_env
@@ -1063,7 +1064,6 @@ def test_two_nodes_on_one_model_swap_with_the_same_masters(comfy_env, tiny_wan):
         masters = out.model.attachments[ATTACHMENT].table.masters
         stale = [n for n, m in masters.items() if n in now and m.host.data_ptr() != now[n]]
         assert not stale, f"{len(stale)} of {len(masters)} masters hold a second host copy"
-    assert b.model.attachments[ATTACHMENT].table is a.model.attachments[ATTACHMENT].table
 
 
 def test_a_quantized_copy_of_a_resident_diffusion_model_takes_its_place_on_the_gpu(comfy_env, tiny_wan):
