@@ -638,6 +638,7 @@ class _Session:
         prefix = "diffusion_model."
         tails = self.tails
         patched = set()
+        owners: dict[int, torch.nn.Module] = {}
         arenas = _copy_ranges(self.root)
         for name, block in self.streamed:
             for pname, param in block.named_parameters():
@@ -647,6 +648,8 @@ class _Session:
                 if key not in p.patches:
                     continue
                 patched.add(key)
+                owner = block.get_submodule(pname.rpartition(".")[0])
+                owners[id(owner)] = owner
                 if key not in p.backup:
                     # ComfyUI backs up the weight it patches and puts it back afterwards. Between runs a streamed
                     # weight still points at the store's arena, where the patched values are about to be staged:
@@ -655,6 +658,11 @@ class _Session:
                     # know which object ComfyUI will back up.)
                     _own_storage(param, arenas)
                     p.patch_weight_to_device(key, device_to=p.offload_device)
+        for owner in owners.values():
+            # ComfyUI's own mark of a module whose weights carry this patch set: a stock load of a clone with the same
+            # patches (the node bypassed, LoraLoader's output sampled) skips it instead of patching the patched
+            # weights again (the LoRA twice); ComfyUI's unpatch clears the mark with the backups
+            owner.comfy_patched_weights = True
         return patched
 
     def _store(self, transport: Transport, patched: set[str]) -> HostStore:

@@ -302,6 +302,22 @@ def _with_lora(tiny_wan, model):
     return lora
 
 
+def test_bypassing_the_node_after_a_lora_run_applies_the_lora_once(comfy_env, tiny_wan):
+    """Found in review: LoraLoader -> GroupPrefetch -> KSampler, then the node bypassed, so LoraLoader's cached
+    output samples. The node patches the streamed weights itself and ComfyUI's per-module mark said nothing of it:
+    ComfyUI's load, seeing the same patch set, patched those weights again (the LoRA twice, until a prompt without
+    it). The node marks what it patched as ComfyUI does."""
+    model = tiny_wan.load_model()
+    lora = _with_lora(tiny_wan, model)
+    ref_lora = tiny_wan.sample(lora)["samples"]
+    ref = tiny_wan.sample(model)["samples"]
+    clone = _prefetch(comfy_env, lora)[0]
+    runs = [("node + LoRA", clone, ref_lora), ("LoRA, node bypassed", lora, ref_lora), ("plain", model, ref),
+            ("node + LoRA", clone, ref_lora), ("LoRA, node bypassed", lora, ref_lora)]
+    got = [(name, torch.equal(tiny_wan.sample(m)["samples"], want)) for name, m, want in runs]
+    assert all(ok for _, ok in got), got
+
+
 def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
     host copies follow (and streamed, the output is the patched model's)."""
