@@ -676,14 +676,16 @@ class _Session:
                                    split.cap if split is not None else 0)
         cached = _STORES.get(self.root)
         before = _PATCHED.get(self.root, set())
-        _PATCHED[self.root] = set(patched)
         if cached is not None and cached[0] == ids:
             # weights patched now but not last run, or last run but not now (ComfyUI may have patched or restored
             # them in place, which no pointer shows) are re-packed; a patch kept across runs is left alone (a new
             # strength rewrites the weight, which the store's pointer check or sampled fingerprint catches)
             try:
                 cached[1].refresh(transport, force=self._entries(cached[1], before ^ patched))
+                _PATCHED[self.root] = set(patched)   # only once re-staged: a failed refresh forces them again
                 return cached[1]
+            except torch.cuda.OutOfMemoryError:
+                raise          # not a sign the copy is stale: a second copy built under memory pressure would be worse
             except RuntimeError as exc:
                 # a streamed weight changed kind (dtype, shape, or a quantized weight replaced by a plain one):
                 # this store no longer describes the blocks; build a new one
@@ -715,6 +717,7 @@ class _Session:
             self.rebuilt = (store.adopted_bytes, sum(a.nbytes for a in store.arenas.values()),
                             sum(store.arenas[d].nbytes for d in store._planes))
         _STORES[self.root] = (ids, store)
+        _PATCHED[self.root] = set(patched)
         return store
 
     def _pin_mode(self) -> PinMode:

@@ -262,6 +262,11 @@ def _unpin_all(transport: Transport, *pinned: list[torch.Tensor]) -> None:
         group.clear()
 
 
+class StoreOutdated(RuntimeError):
+    """The blocks no longer match the host copy (a weight removed, changed kind, or a tie broken): build a new one.
+    Its own class, so a caller rebuilding on it does not also rebuild on an out-of-memory error while re-staging."""
+
+
 class HostStore:
     """Streamed tensors of ``blocks`` packed into one (pinned) arena per dtype.
 
@@ -771,12 +776,12 @@ class HostStore:
         for e in self.entries:
             t = e.refs[0].get()
             if t is None:
-                raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
+                raise StoreOutdated(f"{self.block_names[e.block]}: a streamed tensor was removed from its module")
             if any(r.get() is not t for r in e.refs[1:]):
                 # a weight tied under two names, replaced under one (ComfyUI patches a LoRA key by key and keeps the
                 # old object as its backup): the names are two weights now, which this copy does not describe;
                 # checked before anything is re-staged (rebinding every name would bind the backup to the patch)
-                raise RuntimeError(f"{self.block_names[e.block]}: a weight tied under two names was replaced under "
+                raise StoreOutdated(f"{self.block_names[e.block]}: a weight tied under two names was replaced under "
                                    "one of them; rebuild the prefetch store")
         with torch.no_grad(), torch.inference_mode(self.inference):
             for e in self.entries:
@@ -792,7 +797,7 @@ class HostStore:
                     e.tensor = t
                     continue
                 if v.dtype != e.dtype or tuple(v.shape) != e.shape:
-                    raise RuntimeError(f"{self.block_names[e.block]}: a streamed tensor changed dtype or shape; "
+                    raise StoreOutdated(f"{self.block_names[e.block]}: a streamed tensor changed dtype or shape; "
                                        f"rebuild the prefetch store")
                 old = e.tensor
                 if old is not None and old is not t and old.data_ptr() == e.host_view.data_ptr():

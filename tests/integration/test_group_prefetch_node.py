@@ -318,6 +318,32 @@ def test_bypassing_the_node_after_a_lora_run_applies_the_lora_once(comfy_env, ti
     assert all(ok for _, ok in got), got
 
 
+def test_running_out_of_memory_while_refreshing_the_host_copy_does_not_build_a_second_one(comfy_env, tiny_wan,
+                                                                                            monkeypatch):
+    """Found in review: the refresh of the cached host copy was retried as a rebuild on any RuntimeError, out of
+    memory included (a CUDA OOM while re-staging a patched weight is one): a second host copy built under memory
+    pressure. The error is ComfyUI's to handle now; the copy stays, and the next run uses it."""
+    from comfyui_levers.bridge.prefetch import _STORES
+    from comfyui_levers.core.residency.prefetch import HostStore
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone = _prefetch(comfy_env, model)[0]
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    root = model.model.diffusion_model
+    store = _STORES[root][1]
+    real = HostStore.refresh
+
+    def oom(self, *a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(HostStore, "refresh", oom)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tiny_wan.sample(clone)
+    assert _STORES[root][1] is store
+    monkeypatch.setattr(HostStore, "refresh", real)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref) and _STORES[root][1] is store
+
+
 def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
     host copies follow (and streamed, the output is the patched model's)."""
