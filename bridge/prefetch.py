@@ -536,9 +536,8 @@ class _Session:
         never moves a loaded module back because the load list shrank, and streamed blocks left half on the
         device would have to be skipped. What it did goes into the report (``unloaded_stale``)."""
         stale = self._streamed_on_device()
-        if not stale:
+        if not stale or not unload_entries_of(self.patcher.model):
             return
-        unload_entries_of(self.patcher.model)
         self.unloaded_stale = (f"ComfyUI unloaded this model first: {len(stale)} blocks streamed this run "
                                "were still on the device from an earlier load with more resident")
         log.info("levers: %s", self.unloaded_stale)
@@ -870,6 +869,13 @@ class PrefetchState:
         if patcher_is_dynamic(patcher):
             self.last_report = stand_aside_line()
             return executor(*args, **kwargs)
+        stays = stays_on_device_line(patcher)
+        if stays:
+            self.last_report = stays
+            log.info("levers: %s", stays)
+            from .phase import send_to_node
+            send_to_node(stays, self.node_id)
+            return executor(*args, **kwargs)
         if getattr(patcher, "hook_patches", None):
             self.last_report = HOOKS_LINE
             log.info("levers: %s", HOOKS_LINE)
@@ -983,6 +989,18 @@ HOOKS_LINE = ("GroupPrefetch stands aside for this run: its conditioning carries
               "scheduled LoRA), which ComfyUI writes into the weights between model calls; streamed copies would "
               "miss those writes. ComfyUI loads the model itself this run. Apply the LoRA with a LoraLoader to "
               "stream it.")
+
+
+def stays_on_device_line(patcher) -> str | None:
+    """Why ComfyUI keeps this model on its GPU whatever loads (its offload device is the load device: --highvram,
+    --gpu-only), or None. Nothing can stream from the host then: the blocks are on the GPU from the start, and an
+    unload moves them to the GPU again."""
+    load, offload = torch.device(patcher.load_device), torch.device(patcher.offload_device)
+    if load.type == "cpu" or load != offload:
+        return None
+    return (f"GroupPrefetch stands aside: ComfyUI keeps this model on {load} (its offload device is the GPU: "
+            "ComfyUI started with --highvram or --gpu-only), so there is no host copy to stream from. Start "
+            "ComfyUI without that flag to stream the blocks.")
 
 
 def stand_aside_line() -> str:

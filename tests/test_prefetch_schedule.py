@@ -1037,3 +1037,19 @@ def test_the_reported_device_bytes_add_up_to_the_plan():
         assert s["resident_bytes"] + s["slot_bytes"] + s["staging_bytes"] == s["device_bytes_planned"]
     finally:
         h.remove()
+
+
+def test_a_model_comfyui_keeps_on_the_gpu_is_left_to_comfyui_with_the_flag_named():
+    """Found in review: under --highvram (the diffusion model) or --gpu-only ComfyUI's offload device is the GPU, so
+    the blocks are on the GPU from the start and an unload puts them there again. The node reported an unload "from
+    an earlier load" that never happened and that streaming resumed after a cache clear, which it never does; it
+    unloaded the model at every run (a LoRA unpatched and patched again). It stands aside and names the flag."""
+    from types import SimpleNamespace
+
+    from comfyui_levers.bridge.prefetch import stays_on_device_line
+
+    gpu, host = torch.device("cuda", 0), torch.device("cpu")
+    line = stays_on_device_line(SimpleNamespace(load_device=gpu, offload_device=gpu))
+    assert line and "--highvram or --gpu-only" in line and "stands aside" in line
+    assert stays_on_device_line(SimpleNamespace(load_device=gpu, offload_device=host)) is None
+    assert stays_on_device_line(SimpleNamespace(load_device=host, offload_device=host)) is None     # a CPU run

@@ -344,6 +344,19 @@ def test_running_out_of_memory_while_refreshing_the_host_copy_does_not_build_a_s
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref) and _STORES[root][1] is store
 
 
+def test_a_model_comfyui_keeps_on_its_gpu_is_sampled_by_comfyui_with_the_line(comfy_env, tiny_wan, monkeypatch):
+    """--highvram / --gpu-only (the offload device is the GPU: emulated through the check's answer on this CPU):
+    the node stands aside for the run with the line, and ComfyUI samples the model itself."""
+    import comfyui_levers.bridge.prefetch as bp
+
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone, _, state = _prefetch(comfy_env, model)
+    monkeypatch.setattr(bp, "stays_on_device_line", lambda patcher: "GroupPrefetch stands aside: (emulated)")
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_report == "GroupPrefetch stands aside: (emulated)" and state.session is None
+
+
 def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
     host copies follow (and streamed, the output is the patched model's)."""
