@@ -693,6 +693,12 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
 _SERIAL = iter(range(1, 1 << 62))
 
 
+def _stays_on(lm) -> bool:
+    """ComfyUI's loaded model ``lm`` is on a GPU that is also its offload device: no unload moves it off."""
+    device = torch.device(lm.device)
+    return device.type != "cpu" and device == torch.device(getattr(lm.model, "offload_device", "cpu"))
+
+
 def _release_member(group_ref, key: str) -> None:
     """A member no output uses any more: what it pinned goes too (its pinned pieces would hold its weights)."""
     group = group_ref()
@@ -837,6 +843,17 @@ class PhaseGroup:
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
         evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device
                  and any(lm.model.model is m for m in others)]
+        stays = [lm for lm in evict if _stays_on(lm)]
+        if stays:
+            # its offload device is the GPU it is on (--highvram for the diffusion model, --gpu-only for all): an
+            # unload frees nothing there and only unpatches its LoRA, patched again at its next load
+            evict = [lm for lm in evict if all(lm is not x for x in stays)]
+            names = sorted({c.name for c in members for lm in stays if lm.model.model is c.module})
+            note = (f"{', '.join(names)} stay{'s' if len(names) == 1 else ''} on the GPU through the other phases: "
+                    "ComfyUI's offload device for it is the GPU (--highvram or --gpu-only), so releasing it would "
+                    "free nothing; start ComfyUI without that flag for the phases to take turns")
+            if note not in self.notes:
+                self.notes.append(note)
         if evict:
             keep = [lm for lm in loaded if all(lm is not e for e in evict)]
             names = sorted({c.name for c in members if c is not comp
@@ -1262,7 +1279,9 @@ def report_text(group: PhaseGroup) -> str:
     for name, c in led["components"].items():
         pin = c["pin"]
         pin_txt = "not staged yet" if pin is None else ("pinned" if pin["pinned"] else "pageable") + f" ({pin['reason']})"
-        swap = "ComfyUI DynamicVRAM" if c["dynamic"] else "pointer-swap offload"
+        swap = ("ComfyUI DynamicVRAM" if c["dynamic"] else
+                "moved by ComfyUI (no pointer swap, below)" if any(n.startswith("no pointer swap") for n in c["notes"])
+                else "pointer-swap offload")
         lines.append(f"- {name}: {c['load_device']} <-> {c['offload_device']}, {swap}; masters "
                      f"{c['master_bytes'] / _GIB:.3f} GiB; {pin_txt}")
         lines.extend(f"    {n}" for n in c["notes"])

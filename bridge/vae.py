@@ -606,6 +606,14 @@ def _kept_resident(mm, plan) -> tuple[list, list[str]]:
         patcher = getattr(lm, "model", None)
         if patcher is None:
             continue
+        device = torch.device(lm.device)
+        if device.type != "cpu" and device == torch.device(getattr(patcher, "offload_device", "cpu")):
+            # its offload device is the GPU it is on (--highvram, --gpu-only): an unload frees nothing there and only
+            # unpatches its LoRA, patched again at its next load
+            keep.append(lm)
+            why.append(f"{type(getattr(patcher, 'model', patcher)).__name__} (ComfyUI's offload device for it is "
+                       "this GPU: --highvram or --gpu-only; unloading it would free nothing)")
+            continue
         comp = _component(patcher)
         if comp is not None:
             reason = "PhaseOffload keeps it on the GPU across phases (the plan's residency)" if comp.resident else None

@@ -362,3 +362,36 @@ def test_a_model_no_output_uses_is_freed_without_waiting_for_the_garbage_collect
         assert group_ref() is None
     finally:
         gc.enable()
+
+
+def test_a_model_whose_offload_device_is_its_gpu_is_not_released(monkeypatch):
+    """Found in review: under --highvram (the diffusion model) or --gpu-only ComfyUI's offload device is the GPU.
+    The decode phase had ComfyUI "release" the diffusion model anyway: no memory freed (the unload moves it to the
+    same GPU), its LoRA unpatched and patched again at the next sample, and the ledger said it was released. It stays
+    loaded now, with a line naming the flag."""
+    import types
+
+    mm = types.ModuleType("comfy.model_management")
+    mm.current_loaded_models = []
+    freed = []
+
+    def free_memory(request, device, keep_loaded=()):
+        freed.append(device)
+        mm.current_loaded_models[:] = [lm for lm in mm.current_loaded_models
+                                       if lm.device != device or any(lm is k for k in keep_loaded)]
+    mm.free_memory = free_memory
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    gpu = torch.device("cuda", 0)
+    dit_patcher, vae_patcher = _Patcher(nn.Linear(4, 4)), _Patcher(nn.Linear(4, 4))
+    dit_patcher.offload_device = gpu                    # --highvram: the diffusion model offloads to the GPU
+    group = P.PhaseGroup(P.PhaseSettings(pin="off"))
+    group.add("diffusion_model", dit_patcher)
+    group.add("vae", vae_patcher)
+    entry = SimpleNamespace(model=dit_patcher, device=gpu, model_loaded_memory=lambda: 2 ** 30)
+    mm.current_loaded_models.append(entry)
+    group.start_phase(group.components["vae"], vae_patcher)
+    group.close_phase()
+    assert mm.current_loaded_models == [entry] and not freed
+    assert group.run.phases[-1].released == []
+    assert any("--highvram or --gpu-only" in n and n.startswith("diffusion_model stays on the GPU") for n in group.notes)

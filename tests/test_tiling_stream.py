@@ -294,3 +294,22 @@ def test_a_frame_map_that_drops_more_than_it_doubles_keeps_the_frames_its_next_w
         stream = TimeStream(chain, units, chunk)
         with torch.inference_mode(), override_forwards(stream.replacements()):
             assert torch.equal(chain(z), ref), chunk
+
+
+def test_the_decode_keeps_loaded_a_model_whose_offload_device_is_its_gpu():
+    """Found in review: under --highvram (the diffusion model) or --gpu-only ComfyUI's offload device is the GPU, so
+    unloading a model before the decode frees nothing there; it only unpatched its LoRA, patched again at every
+    prompt. Such a model stays loaded, named in the node's line; a model that offloads to the host is still
+    unloaded."""
+    from types import SimpleNamespace
+
+    from comfyui_levers.bridge.vae import _kept_resident
+
+    gpu = torch.device("cuda", 0)
+
+    def loaded(offload):
+        return SimpleNamespace(device=gpu, model=SimpleNamespace(model=torch.nn.Linear(2, 2), offload_device=offload,
+                                                                 attachments={}))
+    stays, goes = loaded(gpu), loaded(torch.device("cpu"))
+    keep, why = _kept_resident(SimpleNamespace(current_loaded_models=[stays, goes]), None)
+    assert keep == [stays] and len(why) == 1 and "--highvram or --gpu-only" in why[0]

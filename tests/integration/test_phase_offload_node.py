@@ -949,6 +949,9 @@ def test_a_component_the_plan_keeps_resident_stays_on_the_gpu_across_phases(comf
     led = _group(m).ledger()["components"]["diffusion_model"]
     assert led["master_bytes"] == 0
     assert any("the plan keeps it on the GPU" in n for n in _group(m).components["diffusion_model"].notes)
+    from comfyui_levers.bridge.phase import report_text
+    line = next(x for x in report_text(_group(m)).splitlines() if x.startswith("- diffusion_model:"))
+    assert "moved by ComfyUI (no pointer swap, below)" in line, line     # found in review: it said pointer-swap
     # without it, the decode releases the model (PhaseOffload's exclusivity)
     plain = apply(_host_offload(tiny_wan.load_model()), None, tiny_wan.load_vae(), PhaseSettings())
     tiny_wan.decode(plain.vae, tiny_wan.sample(plain.model))
