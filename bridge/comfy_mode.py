@@ -50,6 +50,27 @@ def comfy_mode() -> dict:
         notes.append("ComfyUI pins offloaded weights itself (Levers never registers them twice)")
     if facts["lowvram_flag"] and facts["dynamic_vram"]:
         notes.append("--lowvram has no effect under DynamicVRAM")
+    facts["gpu_only"] = bool(getattr(args, "gpu_only", False))
+    facts["cpu_vae"] = bool(getattr(args, "cpu_vae", False))
+    facts["smart_memory"] = not bool(getattr(mm, "DISABLE_SMART_MEMORY", False))
+    state = facts["vram_state"]
+    if facts["gpu_only"]:
+        notes.append("--gpu-only: ComfyUI keeps every model on the GPU (its offload device is the GPU), so plans that "
+                     "stream or take turns cannot apply; GroupPrefetch, PhaseOffload and TiledVAEDecode leave such "
+                     "models loaded and say so. Start ComfyUI without it for those levers")
+    elif state == "HIGH_VRAM":
+        notes.append("--highvram: ComfyUI keeps the diffusion model on the GPU (its offload device is the GPU), so a "
+                     "plan that streams it or releases it between phases cannot apply to it (GroupPrefetch stands "
+                     "aside); the text encoder and the VAE still move")
+    elif state in ("LOW_VRAM", "NO_VRAM") and not facts["dynamic_vram"]:
+        notes.append(f"--{state.split('_')[0].lower()}vram: ComfyUI loads {'none' if state == 'NO_VRAM' else 'part'} "
+                     "of each model and casts the rest per op itself, and puts the text encoder on the CPU; a plan's "
+                     "devices set on PhaseOffload override that placement")
+    if not facts["smart_memory"]:
+        notes.append("--disable-smart-memory: ComfyUI unloads every model after each prompt, so a component the plan "
+                     "keeps resident is copied home and loaded again every prompt")
+    if facts["cpu_vae"]:
+        notes.append("--cpu-vae: ComfyUI decodes on the CPU; the plan's VAE placement and tiling are for the GPU")
     facts["notes"] = tuple(notes)
     return facts
 

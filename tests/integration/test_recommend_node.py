@@ -73,6 +73,34 @@ def test_recommend_reports_comfyui_mode(comfy_env):
     assert facts["dynamic_vram"] is False  # a CPU load device never uses the dynamic patcher
 
 
+@pytest.mark.parametrize("flag", ["highvram", "gpu_only", "lowvram", "novram", "disable_smart_memory", "cpu_vae"])
+def test_the_plan_names_comfyuis_memory_flags(comfy_env, monkeypatch, flag):
+    """Found in review: the plan and report were the same under --highvram, --gpu-only, --lowvram, --novram and
+    --disable-smart-memory, though ComfyUI then keeps models on the GPU, places the text encoder on the CPU, or
+    unloads everything after each prompt. The report names the flag and what it does to the plan's levers."""
+    import comfy.cli_args
+    import comfy.model_management as mm
+
+    from comfyui_levers.bridge.comfy_mode import comfy_mode
+    from comfyui_levers.core.plan import Workload, plan
+    from comfyui_levers.core.presets import get_preset
+    from comfyui_levers.core.probe import synthetic_machine
+
+    state = {"highvram": "HIGH_VRAM", "gpu_only": "HIGH_VRAM", "lowvram": "LOW_VRAM", "novram": "NO_VRAM"}.get(flag)
+    if state:
+        monkeypatch.setattr(mm, "vram_state", mm.VRAMState[state])
+    if flag in ("gpu_only", "cpu_vae"):
+        monkeypatch.setattr(comfy.cli_args.args, flag, True)
+    if flag == "disable_smart_memory":
+        monkeypatch.setattr(mm, "DISABLE_SMART_MEMORY", True)
+    want = {"highvram": "--highvram: ComfyUI keeps the diffusion model on the GPU", "gpu_only": "--gpu-only:",
+            "lowvram": "--lowvram: ComfyUI loads part", "novram": "--novram: ComfyUI loads none",
+            "disable_smart_memory": "--disable-smart-memory:", "cpu_vae": "--cpu-vae:"}[flag]
+    assert any(n.startswith(want) for n in comfy_mode()["notes"]), comfy_mode()["notes"]
+    m = dataclasses.replace(synthetic_machine(vram_gb=16, ram_gb=64, h2d_gbps=25), comfyui=comfy_mode())
+    assert want in "\n".join(plan(get_preset("wan2.1-14b"), Workload(832, 480, 33), m).notes)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "gguf"])
 @pytest.mark.parametrize("vram_gb", [0.0, 1.0], ids=["comfyui_device", "1GB_card"])
 def test_an_already_quantized_model_is_planned_as_it_is_stored(comfy_env, tiny_wan, request, kind, vram_gb):
