@@ -75,6 +75,18 @@ def comfy_mode() -> dict:
     return facts
 
 
+def lowvram_mode_line() -> str | None:
+    """A line when ComfyUI runs --lowvram / --novram without DynamicVRAM: it then loads part (or none) of each model
+    and casts the rest to the GPU per op itself, which a Levers ledger or report does not count."""
+    mm = _mm()
+    state = getattr(getattr(mm, "vram_state", None), "name", None)
+    if state not in ("LOW_VRAM", "NO_VRAM") or dynamic_vram_active():
+        return None
+    return (f"ComfyUI runs --{state.split('_')[0].lower()}vram: it loads {'none' if state == 'NO_VRAM' else 'part'} "
+            "of what it loads itself and casts the rest to the GPU per op, every step; those copies are ComfyUI's, "
+            "not in Levers' byte counts")
+
+
 def _extra_reserved(mm) -> int | None:
     fn = getattr(mm, "extra_reserved_memory", None)
     value = fn() if callable(fn) else getattr(mm, "EXTRA_RESERVED_VRAM", None)

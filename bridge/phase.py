@@ -1253,6 +1253,10 @@ def what_comfyui_does(group: PhaseGroup, mm) -> list[str]:
         notes.append("ComfyUI pins the weights it leaves offloaded itself; Levers never registers those twice")
     notes.append("ComfyUI moves conditioning and latents to the device of the phase that uses them; "
                  "Levers only decides where each component runs and that it runs alone")
+    from .comfy_mode import lowvram_mode_line
+    lowvram = lowvram_mode_line()
+    if lowvram:
+        notes.append(f"{lowvram} (the per-phase ledger's bytes are what Levers copied)")
     return notes
 
 

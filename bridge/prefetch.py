@@ -41,7 +41,7 @@ from ..core.residency.pinned import PinMode, arena_pin_decision
 from ..core.residency.prefetch import AUTO, HostStore, PinDecider, PrefetchConfig, PrefetchHandle, \
     apply_group_prefetch, measure_bandwidth, slot_bound, spend_leftover
 from ..core.residency.transport import HostMaps, Transport, make_transport, pinned_by_levers, tensor_nbytes
-from .comfy_mode import dynamic_vram_active, patcher_is_dynamic, unload_entries_of
+from .comfy_mode import dynamic_vram_active, lowvram_mode_line, patcher_is_dynamic, unload_entries_of
 from .inputs import require_model
 
 log = logging.getLogger("levers")
@@ -821,6 +821,9 @@ class _Session:
             head += "."
         if dynamic_vram_active():
             head += "\n" + legacy_under_dynamic_line(self.patcher)
+        lowvram = lowvram_mode_line()
+        if lowvram:
+            head += f"\n{lowvram} (here: the resident part and the split blocks' tails)."
         if self.kept_extra is not None:
             head += (f"\nhost copy kept: the layout it was built for still fits this budget and streams "
                      f"{_gb(self.kept_extra)} more per forward than the least this budget allows (at most "

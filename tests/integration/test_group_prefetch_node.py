@@ -357,6 +357,25 @@ def test_a_model_comfyui_keeps_on_its_gpu_is_sampled_by_comfyui_with_the_line(co
     assert state.last_report == "GroupPrefetch stands aside: (emulated)" and state.session is None
 
 
+def test_under_novram_the_reports_say_comfyui_casts_the_rest_per_op(comfy_env, tiny_wan, monkeypatch):
+    """Found in review: under --novram ComfyUI loads none of the part it loads itself (GroupPrefetch's resident
+    blocks and tails; PhaseOffload's components) and casts it per op every step; GroupPrefetch's report said
+    ComfyUI loads that part, and PhaseOffload's ledger showed 0 bytes moved by Levers' transport. Both say it now.
+    The output stays ComfyUI's own under the same mode."""
+    import comfy.model_management as mm
+
+    from comfyui_levers.bridge.phase import PhaseSettings, apply, report_text
+
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NO_VRAM)
+    model = tiny_wan.load_model()
+    ref = tiny_wan.sample(model)["samples"]
+    clone, _, state = _prefetch(comfy_env, model)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert "ComfyUI runs --novram: it loads none of what it loads itself" in state.last_report, state.last_report
+    out = apply(model, None, tiny_wan.load_vae(), PhaseSettings())
+    assert "ComfyUI runs --novram" in report_text(out.group)
+
+
 def test_lora_on_quantized_weights_streams_patched(comfy_env, tiny_wan):
     """A LoRA on QuantizeDiT's fp8 weights: ComfyUI patches them by building new quantized weights, which the
     host copies follow (and streamed, the output is the patched model's)."""
