@@ -14,6 +14,7 @@ replaced in the copy, and a fresh patcher (own backups, own size) wraps it. Laye
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 
 import torch
@@ -292,7 +293,31 @@ def save_quantized(patcher, path: str, config: QuantConfig, arch: str, force: bo
             yield k.lstrip("."), v
 
     layers = [n for n, m in dm.named_modules() if isinstance(m, QuantLinear) or getattr(m, "layout_type", None)]
-    qckpt.save_tensors(fix(tensors()), path, qckpt.file_metadata(config, arch, layers), force=force)
+    meta = qckpt.file_metadata(config, arch, layers)
+    model_config = model_config_metadata(patcher.model)
+    if model_config is not None:
+        meta["config"] = model_config
+    qckpt.save_tensors(fix(tensors()), path, meta, force=force)
+
+
+def model_config_metadata(model) -> str | None:
+    """The model's configuration as ComfyUI's loaders read it from a file's ``config`` metadata (``{"transformer":
+    {...}}``; LTX-Video, LTX-2 and, on newer ComfyUI, Wan take settings from it that the weights do not show, e.g.
+    LTX's causal temporal positioning). A saved file without it loaded as another model: wrong output, no error.
+    Only JSON values are written (what the loaders' ``dict.update`` can take); None when the model has none."""
+    unet_config = getattr(getattr(model, "model_config", None), "unet_config", None)
+    if not isinstance(unet_config, dict):
+        return None
+
+    def plain(v):
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            return True
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and plain(x) for k, x in v.items())
+        return False
+    return json.dumps({"transformer": {k: v for k, v in unet_config.items() if isinstance(k, str) and plain(v)}})
 
 
 def held_config(dm) -> tuple[QuantConfig | None, str]:

@@ -218,3 +218,35 @@ def test_full_checkpoint_from_levers_quantize(nodes, tiny_wan, comfy_env):
     assert "Levers loader" in report
     a, b = bare.model.diffusion_model.state_dict(), loaded.model.diffusion_model.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fmt,granularity", [("int8", "auto"), ("fp8_e4m3fn", "per_tensor")])
+def test_a_saved_file_keeps_the_models_configuration(nodes, comfy_env, fmt, granularity):
+    """Found in review: ComfyUI builds LTX-Video (and LTX-2, and Wan on newer releases) with settings read from the
+    file's ``config`` metadata that the weights do not show (LTX's causal temporal positioning, its timestep scale).
+    QuantizeDiT's save wrote none: Load Quantized DiT and the stock loader built the model with the defaults, and the
+    saved file sampled otherwise than the quantized model it came from, with no error. The save carries the model's
+    configuration now."""
+    import json
+
+    import comfy.supported_models as sm
+    from safetensors.torch import save_file
+    from tiny_dits import tiny_ltxv
+    from tiny_models import fill_random_
+
+    quantize, load = nodes
+    tiny = tiny_ltxv()
+    mc = sm.LTXV({"image_model": "ltxv", "num_layers": 4, "attention_head_dim": 4, "cross_attention_dim": 128})
+    mc.set_inference_dtype(torch.float32, None)
+    shapes = mc.get_model({}, device="meta").diffusion_model.state_dict()
+    sd = fill_random_({k: torch.empty(v.shape) for k, v in shapes.items()}, 0)
+    src = os.path.join(comfy_env.models_dir, "diffusion_models", "levers_ltxv_with_config.safetensors")
+    settings = {"causal_temporal_positioning": True, "timestep_scale_multiplier": 250.0}
+    save_file(sd, src, metadata={"config": json.dumps({"transformer": settings})})
+    base = comfy_env.nodes.UNETLoader().load_unet(os.path.basename(src), "default")[0]
+    assert {k: base.model.model_config.unet_config.get(k) for k in settings} == settings
+    qmodel, path = _save(quantize, base, comfy_env, f"levers_ltxv_{fmt}.safetensors", format=fmt,
+                         granularity=granularity, quality_check=False)
+    loaded = load.execute(os.path.basename(path)).result[0]
+    assert {k: loaded.model.model_config.unet_config.get(k) for k in settings} == settings
+    assert torch.equal(tiny.sample(loaded), tiny.sample(qmodel))
