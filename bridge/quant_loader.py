@@ -209,7 +209,32 @@ def inspect_file(path: str) -> QuantFileInfo:
             info.layers[layer] = {"format": str(fmt), "granularity": str(gran),
                                   "block_size": int(tag.get("block_size", 64)), "shape": list(tag["shape"]),
                                   "layout": "levers", "orig_dtype": str(tag.get("orig_dtype", "bfloat16"))}
+    untagged = _untagged_quantized(tensors, info.layers)
+    if untagged:
+        raise ConfigError("unet_name", os.path.basename(path), "a file Load Quantized DiT or ComfyUI can read",
+                          f"{path}: {len(untagged)} layer(s) hold quantized codes with their scales but no quant "
+                          f"tag (e.g. {untagged[0]!r}: another tool's layout, e.g. Forge's bitsandbytes nf4 or an "
+                          "int8 file); read as plain weights they would load with wrong output or fail. Load the "
+                          "file with the tool that wrote it, or quantize the original model with QuantizeDiT or "
+                          "`levers quantize`.")
     return info
+
+
+def _untagged_quantized(tensors: dict[str, TensorEntry], tagged: dict) -> list[str]:
+    """Layers whose ``weight`` holds integer codes beside a scale or bitsandbytes state, without a tag either reader
+    knows: ComfyUI would load the codes as plain weights (its own fp8 layouts, ``scale_weight`` or tagged, are
+    not listed)."""
+    out = []
+    for key, e in tensors.items():
+        if not key.endswith(".weight") or e.dtype not in (torch.int8, torch.uint8):
+            continue
+        layer = key[:-len(".weight")]
+        if layer in tagged:
+            continue
+        if (f"{layer}.weight_scale" in tensors or f"{key}.absmax" in tensors
+                or any(k.startswith(f"{key}.quant_state") for k in tensors)):
+            out.append(layer)
+    return out
 
 
 def require_backends(info: QuantFileInfo) -> None:

@@ -125,6 +125,24 @@ def test_errors_name_the_file(nodes, comfy_env, tmp_path):
         load.execute("no_such_file.safetensors")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_codes_without_a_tag_are_refused_with_the_reason(nodes, base, comfy_env, fmt):
+    """Found in review: a file of int8 or nf4 codes with their scales but no quant tag (another tool's layout) was
+    called plain and handed to ComfyUI: int8 loaded as weights (18.7 dB from the right output, no error), nf4 failed
+    with a size mismatch naming nothing. It is refused before loading, naming the file and what to do."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_levers.core.errors import ConfigError
+
+    quantize, load = nodes
+    _, path = _save(quantize, base, comfy_env, f"levers_tagged_{fmt}.safetensors", format=fmt, quality_check=False)
+    name = f"levers_untagged_{fmt}.safetensors"
+    untagged = os.path.join(comfy_env.models_dir, "diffusion_models", name)
+    save_file({k: v for k, v in load_file(path).items() if not k.endswith(".levers_quant")}, untagged)
+    with pytest.raises(ConfigError, match=f"{name}.*quantized codes with their scales but no quant tag"):
+        load.execute(name)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="reads the Linux RSS high-water mark")
 def test_host_ram_peak_is_the_quantized_size(nodes, comfy_env):
     """A Wan of 25 M block params (50 MiB of bf16 weights) as nf4: the load's RSS peak stays near the
