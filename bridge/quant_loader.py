@@ -149,6 +149,10 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], dict[str, str]]:
         start, end = e["data_offsets"]
         if base + end > size:
             raise bad(f"tensor {name!r} ends past the end of the file (truncated download?)")
+        want = math.prod(e["shape"]) * torch.empty((), dtype=dtype).element_size()
+        if end - start != want:
+            raise bad(f"tensor {name!r} holds {end - start} bytes where its shape {list(e['shape'])} needs {want} "
+                      f"(a damaged header)")
         tensors[name] = TensorEntry(dtype, tuple(e["shape"]), base + start, base + end)
     return tensors, metadata
 
@@ -188,7 +192,7 @@ def inspect_file(path: str) -> QuantFileInfo:
                 raise ConfigError("unet_name", os.path.basename(path), "a complete quantized checkpoint",
                                   f"{path}: layer {layer!r} has a quant tag but no weight")
             if f"{layer}.comfy_quant" in tensors:
-                conf = qckpt.read_json_tensor(read(f"{layer}.comfy_quant"))
+                conf = _tag(path, layer, "comfy_quant", read)
                 if conf.get("format") != qckpt.COMFY_FP8_FORMAT:
                     raise ConfigError(f"{layer}.comfy_quant", conf.get("format"), qckpt.COMFY_FP8_FORMAT,
                                       f"{path} uses a ComfyUI quant format Levers does not read: load it with the "
@@ -196,7 +200,7 @@ def inspect_file(path: str) -> QuantFileInfo:
                 info.layers[layer] = {"format": "fp8_e4m3fn", "granularity": "per_tensor", "block_size": 64,
                                       "shape": list(tensors[f"{layer}.weight"].shape), "layout": "comfy"}
                 continue
-            tag = qckpt.read_json_tensor(read(f"{layer}.levers_quant"))
+            tag = _tag(path, layer, "levers_quant", read)
             try:
                 fmt = Precision.parse(tag.get("format"), f"{layer}.levers_quant format")
                 gran = Granularity.parse(tag.get("granularity"), f"{layer}.levers_quant granularity")
@@ -206,6 +210,10 @@ def inspect_file(path: str) -> QuantFileInfo:
                 raise ConfigError("unet_name", os.path.basename(path), "a file with known quant formats",
                                   f"{path}: {exc} The file was written by a newer or different tool; update "
                                   f"ComfyUI-Levers or re-quantize the original with `levers quantize`.") from None
+            if fmt != Precision.NF4 and f"{layer}.weight_scale" not in tensors:
+                raise ConfigError("unet_name", os.path.basename(path), "a complete quantized checkpoint",
+                                  f"{path}: layer {layer!r} holds {fmt} codes without their weight_scale (a damaged "
+                                  "or hand-edited file); quantize the original again")
             info.layers[layer] = {"format": str(fmt), "granularity": str(gran),
                                   "block_size": int(tag.get("block_size", 64)), "shape": list(tag["shape"]),
                                   "layout": "levers", "orig_dtype": str(tag.get("orig_dtype", "bfloat16"))}
@@ -218,6 +226,19 @@ def inspect_file(path: str) -> QuantFileInfo:
                           "file with the tool that wrote it, or quantize the original model with QuantizeDiT or "
                           "`levers quantize`.")
     return info
+
+
+def _tag(path: str, layer: str, kind: str, read) -> dict:
+    """A layer's JSON quant tag; ConfigError naming the file when it is not one."""
+    try:
+        tag = qckpt.read_json_tensor(read(f"{layer}.{kind}"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        tag = exc
+    if not isinstance(tag, dict):
+        raise ConfigError("unet_name", os.path.basename(path), "a quantized checkpoint with readable quant tags",
+                          f"{path}: {layer}.{kind} is not a JSON tag ({tag}); the file is damaged or was written by "
+                          "another tool: quantize the original again")
+    return tag
 
 
 def _untagged_quantized(tensors: dict[str, TensorEntry], tagged: dict) -> list[str]:

@@ -159,6 +159,51 @@ def test_truncated_file_is_reported(tmp_path):
         ql.inspect_file(str(cut))
 
 
+def _rewrite(path, out, edit_header=None, edit_data=None):
+    """A copy of the safetensors file ``path`` with its header (dict) or data (bytearray) edited in place."""
+    import struct
+
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = json.loads(raw[8:8 + n]), bytearray(raw[8 + n:])
+    if edit_header:
+        edit_header(header)
+    if edit_data:
+        edit_data(header, data)
+    b = json.dumps(header).encode()
+    b += b" " * (-len(b) % 8)
+    with open(out, "wb") as f:
+        f.write(struct.pack("<Q", len(b)) + b + bytes(data))
+    return str(out)
+
+
+def test_damaged_headers_and_tags_name_the_file_and_the_fix(tmp_path):
+    """Found in review: a header whose byte range disagrees with the shape, a layer without its scale, and a tag that
+    is not JSON raised a bare RuntimeError, KeyError or UnicodeDecodeError with no file name."""
+    _, dst = _files(tmp_path, _toy(), QuantConfig("int8"))
+    header = json.loads(open(dst, "rb").read()[8:8 + int.from_bytes(open(dst, "rb").read()[:8], "little")])
+    layer = next(k[:-len(".levers_quant")] for k in header if k.endswith(".levers_quant"))
+    kept = next(k for k, e in header.items() if k != "__metadata__" and e["dtype"] in ("BF16", "F32")
+                and len(e["shape"]) == 1)
+
+    def shape(h):
+        h[kept]["shape"] = [h[kept]["shape"][0] - 1]
+
+    def scale(h):
+        del h[f"{layer}.weight_scale"]
+
+    def garbage(h, data):
+        a = h[f"{layer}.levers_quant"]["data_offsets"][0]
+        data[a:a + 2] = b"\xff\xfe"
+    cases = {"bad_shape": (dict(edit_header=shape), "holds .* bytes where its shape"),
+             "no_scale": (dict(edit_header=scale), "without their weight_scale"),
+             "bad_tag": (dict(edit_data=garbage), "is not a JSON tag")}
+    for name, (edit, why) in cases.items():
+        path = _rewrite(dst, tmp_path / f"{name}.safetensors", **edit)
+        with pytest.raises(ConfigError, match=f"{name}.safetensors.*{why}"):
+            ql.read_quantized(ql.inspect_file(path))
+
+
 # ----------------------------------------------------------------------------------- host memory peak
 def _vm(field: str) -> int:
     with open("/proc/self/status") as f:
