@@ -734,7 +734,11 @@ def _save(model, new, path, config: QuantConfig, report, text: str, passed: bool
     # the quality check (or an earlier run) loaded it through ComfyUI, which merged the patcher's LoRA into the
     # weights: unloaded first, so the file holds the base weights its report promises
     unload_entries_of(new.model)
-    save_quantized(new, path, held, report.arch)
+    arch = report.arch
+    if passed:      # the report's "(already quantized)" is no architecture: the file names the model's
+        from ..core.quant import detect_arch
+        arch = detect_arch(new.model.diffusion_model.state_dict().keys())
+    save_quantized(new, path, held, arch)
     loadable = (stock_loader_reads_comfy_fp8()[1] if qckpt.uses_comfy_layout(held) else
                 "nf4 in bitsandbytes' layout: load it with Load Quantized DiT (Levers); the stock Load Diffusion "
                 "Model fails on it" if str(held.format) == "nf4" else

@@ -293,6 +293,7 @@ def test_a_passed_through_model_is_saved_as_it_holds_it_or_not_at_all(node, tiny
         meta = f.metadata()
     assert "_quantization_metadata" not in meta            # not ComfyUI's fp8 layout: the stock loader is not told so
     assert json.loads(meta["levers_quantization"])["config"]["format"] == "int8"
+    assert json.loads(meta["levers_quantization"])["arch"] == "wan"     # found in review: "(already quantized)"
     loaded = load_quantized_dit(path)[0]
     assert torch.equal(tiny_wan.sample(loaded, seed=1)["samples"], tiny_wan.sample(int8, seed=1)["samples"])
     # plain fp8 weights (a loader's weight_dtype) are no layout QuantizeDiT writes: no file, a line that says why
