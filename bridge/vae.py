@@ -23,6 +23,7 @@ import inspect
 import logging
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -638,7 +639,15 @@ def budget_bytes(vae, settings: TiledDecodeSettings) -> tuple[int, str]:
         return int(settings.memory_budget_gb * GIB), f"budget {settings.memory_budget_gb:g} GB (given)"
     dev = torch.device(vae.device)
     free = mm.get_free_memory(dev)
-    return int(free * 0.9), f"budget 90% of free memory on {dev} ({free / GIB:.2f} GiB free)"
+    budget, line = int(free * 0.9), f"budget 90% of free memory on {dev} ({free / GIB:.2f} GiB free)"
+    args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
+    reserve = getattr(mm, "extra_reserved_memory", lambda: 0)() if getattr(args, "reserve_vram", None) else 0
+    if dev.type != "cpu" and reserve and free - reserve < budget:
+        # --reserve-vram: the room the user keeps for other programs stays free during the decode too
+        budget = max(0, int(free - reserve))
+        line = (f"budget {budget / GIB:.2f} GiB: free memory on {dev} ({free / GIB:.2f} GiB) less ComfyUI's "
+                f"--reserve-vram ({reserve / GIB:.2f} GiB)")
+    return budget, line
 
 
 # ------------------------------------------------------------------------------------- decode

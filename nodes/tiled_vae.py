@@ -45,7 +45,8 @@ class LeversTiledVAEDecode(io.ComfyNode):
                              tooltip="Accepted for VAEDecodeTiled parity; not needed (chunks are exact), ignored."),
                 io.Float.Input("memory_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25, round=0.001,
                                tooltip="Memory the decode may use, in GiB. 0 = 90% of the free memory on the VAE's "
-                                       "device after unloading other models."),
+                                       "device after unloading other models (less ComfyUI's --reserve-vram where "
+                                       "that is more)."),
                 io.Combo.Input("groupnorm_stats", options=["tiles", "windows", "exact"], default="tiles",
                                tooltip="KL VAEs (SD/SDXL/Flux, HunyuanVideo 1.0): where tiled stages get GroupNorm statistics. tiles: "
                                        "pooled over all tiles in one extra pass (accurate); windows: a sample "

@@ -313,3 +313,28 @@ def test_the_decode_keeps_loaded_a_model_whose_offload_device_is_its_gpu():
     stays, goes = loaded(gpu), loaded(torch.device("cpu"))
     keep, why = _kept_resident(SimpleNamespace(current_loaded_models=[stays, goes]), None)
     assert keep == [stays] and len(why) == 1 and "--highvram or --gpu-only" in why[0]
+
+
+def test_the_auto_budget_keeps_comfyuis_reserve_vram_free(monkeypatch):
+    """Found in review: the decode's auto budget was 90 % of the free memory whatever --reserve-vram said: with 4 GiB
+    reserved for other programs and 20 GiB free it left 2 GiB. The reserve stays free; without the flag, 90 %."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from comfyui_levers.bridge.vae import TiledDecodeSettings, budget_bytes
+
+    gib = 1024 ** 3
+    mm = types.ModuleType("comfy.model_management")
+    mm.get_free_memory = lambda dev=None: 20 * gib
+    mm.extra_reserved_memory = lambda: 4 * gib
+    cli = types.ModuleType("comfy.cli_args")
+    cli.args = SimpleNamespace(reserve_vram=4.0)
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", cli)
+    vae = SimpleNamespace(device=torch.device("cuda", 0))
+    budget, line = budget_bytes(vae, TiledDecodeSettings())
+    assert budget == 16 * gib and "--reserve-vram" in line
+    cli.args.reserve_vram = None                    # ComfyUI's default reserve is within the 10 % margin
+    assert budget_bytes(vae, TiledDecodeSettings())[0] == int(20 * gib * 0.9)
