@@ -18,6 +18,15 @@ def dynamic_vram_active() -> bool:
     return bool(dyn is not None and getattr(mp, "CoreModelPatcher", None) is dyn)
 
 
+def stays_on_gpu(device, offload_device) -> bool:
+    """A model on ``device`` that ComfyUI offloads to that same GPU (--highvram, --gpu-only): no unload moves it off,
+    and nothing of it is on the host to stream from."""
+    import torch
+
+    device = torch.device(device)
+    return device.type != "cpu" and device == torch.device(offload_device)
+
+
 def patcher_is_dynamic(patcher) -> bool:
     fn = getattr(patcher, "is_dynamic", None)
     return bool(fn()) if callable(fn) else False

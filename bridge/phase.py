@@ -43,7 +43,7 @@ from ..core.residency.phase import MasterTable, swap_module_to
 from ..core.residency.pinned import PinMode, PinnedStore
 from ..core.residency.transport import make_transport, tensor_nbytes
 from .inputs import require_clip, require_model, require_vae
-from .comfy_mode import unload_entries_of
+from .comfy_mode import lowvram_mode_line, stays_on_gpu, unload_entries_of
 
 log = logging.getLogger("levers")
 
@@ -693,12 +693,6 @@ def latest_ledger(close: bool = True) -> dict[str, Any] | None:
 _SERIAL = iter(range(1, 1 << 62))
 
 
-def _stays_on(lm) -> bool:
-    """ComfyUI's loaded model ``lm`` is on a GPU that is also its offload device: no unload moves it off."""
-    device = torch.device(lm.device)
-    return device.type != "cpu" and device == torch.device(getattr(lm.model, "offload_device", "cpu"))
-
-
 def _release_member(group_ref, key: str) -> None:
     """A member no output uses any more: what it pinned goes too (its pinned pieces would hold its weights)."""
     group = group_ref()
@@ -843,7 +837,7 @@ class PhaseGroup:
         # only what shares this phase's device: a text encoder on the CPU does not need the GPU emptied
         evict = [lm for lm in loaded if lm.model is not None and torch.device(lm.device) == comp.load_device
                  and any(lm.model.model is m for m in others)]
-        stays = [lm for lm in evict if _stays_on(lm)]
+        stays = [lm for lm in evict if stays_on_gpu(lm.device, getattr(lm.model, "offload_device", "cpu"))]
         if stays:
             # its offload device is the GPU it is on (--highvram for the diffusion model, --gpu-only for all): an
             # unload frees nothing there and only unpatches its LoRA, patched again at its next load
@@ -1253,7 +1247,6 @@ def what_comfyui_does(group: PhaseGroup, mm) -> list[str]:
         notes.append("ComfyUI pins the weights it leaves offloaded itself; Levers never registers those twice")
     notes.append("ComfyUI moves conditioning and latents to the device of the phase that uses them; "
                  "Levers only decides where each component runs and that it runs alone")
-    from .comfy_mode import lowvram_mode_line
     lowvram = lowvram_mode_line()
     if lowvram:
         notes.append(f"{lowvram} (the per-phase ledger's bytes are what Levers copied)")

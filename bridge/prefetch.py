@@ -41,7 +41,7 @@ from ..core.residency.pinned import PinMode, arena_pin_decision
 from ..core.residency.prefetch import AUTO, HostStore, PinDecider, PrefetchConfig, PrefetchHandle, \
     apply_group_prefetch, measure_bandwidth, slot_bound, spend_leftover
 from ..core.residency.transport import HostMaps, Transport, make_transport, pinned_by_levers, tensor_nbytes
-from .comfy_mode import dynamic_vram_active, lowvram_mode_line, patcher_is_dynamic, unload_entries_of
+from .comfy_mode import dynamic_vram_active, lowvram_mode_line, patcher_is_dynamic, stays_on_gpu, unload_entries_of
 from .inputs import require_model
 
 log = logging.getLogger("levers")
@@ -998,10 +998,9 @@ def stays_on_device_line(patcher) -> str | None:
     """Why ComfyUI keeps this model on its GPU whatever loads (its offload device is the load device: --highvram,
     --gpu-only), or None. Nothing can stream from the host then: the blocks are on the GPU from the start, and an
     unload moves them to the GPU again."""
-    load, offload = torch.device(patcher.load_device), torch.device(patcher.offload_device)
-    if load.type == "cpu" or load != offload:
+    if not stays_on_gpu(patcher.load_device, patcher.offload_device):
         return None
-    return (f"GroupPrefetch stands aside: ComfyUI keeps this model on {load} (its offload device is the GPU: "
+    return (f"GroupPrefetch stands aside: ComfyUI keeps this model on {patcher.load_device} (its offload device is the GPU: "
             "ComfyUI started with --highvram or --gpu-only), so there is no host copy to stream from. Start "
             "ComfyUI without that flag to stream the blocks.")
 

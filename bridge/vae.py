@@ -40,6 +40,7 @@ from ..core.tiling.memory import peak_method
 from ..core.tiling.overrides import StopDecode, override_forwards
 from ..core.tiling.stream import (StreamStats, TimeUnit, batch_frames, decode_time_streamed, measure_units,
                                   stream_latency)
+from .comfy_mode import stays_on_gpu
 from .inputs import require_vae
 
 log = logging.getLogger("levers")
@@ -607,8 +608,7 @@ def _kept_resident(mm, plan) -> tuple[list, list[str]]:
         patcher = getattr(lm, "model", None)
         if patcher is None:
             continue
-        device = torch.device(lm.device)
-        if device.type != "cpu" and device == torch.device(getattr(patcher, "offload_device", "cpu")):
+        if stays_on_gpu(lm.device, getattr(patcher, "offload_device", "cpu")):
             # its offload device is the GPU it is on (--highvram, --gpu-only): an unload frees nothing there and only
             # unpatches its LoRA, patched again at its next load
             keep.append(lm)
