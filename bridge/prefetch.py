@@ -451,6 +451,9 @@ class _Session:
         dev = self.patcher.load_device
         if mm.is_device_cpu(dev):   # nothing to save on a CPU load device unless a budget was given
             if req.budget_bytes is not None and not self.plan_share_failed:
+                self.budget_note = ("the load device is the CPU (ComfyUI runs with --cpu or found no GPU): the "
+                                    "streamed groups are copied host to host, which saves no memory and costs "
+                                    "time; clear vram_budget_gb to run the model resident")
                 return float(req.budget_bytes)
             if self.plan_share_failed:
                 self.budget_note = f"{self.plan_share_failed}; using the auto budget: none (the load device is the CPU)"
