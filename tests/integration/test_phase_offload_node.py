@@ -1158,3 +1158,57 @@ def test_tiled_vae_decode_keeps_a_plans_diffusion_model_only_when_it_is_the_one_
                         lambda dev=None, torch_free_too=False: (0, 0) if torch_free_too else 0)
     line = bv.free_other_models(vae, plan)
     assert not _is_loaded(env, a) and not _is_loaded(env, b) and "kept loaded" not in line, line
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 6, 10 ** 9])
+def test_a_load_that_runs_out_of_memory_part_way_with_a_lora_loses_nothing(comfy_env, tiny_wan, fail_at):
+    """An allocation failing part way through the pointer-swap load of a LoRA'd model (out of memory): ComfyUI
+    moves the weights back and the run fails. Every weight is back on its master, the masters never took the
+    patch, and the next run (and the model without the LoRA) gives the outputs of the plain workflow."""
+    model = tiny_wan.load_model()
+    plain = tiny_wan.sample(model)["samples"]
+    sd = model.model.diffusion_model.state_dict()
+    key = next(k for k in sd if k.startswith("blocks.1.") and k.endswith("weight") and sd[k].ndim == 2)
+    delta = torch.randn(sd[key].shape, generator=torch.Generator().manual_seed(3)) * 0.05
+    lora_plain = model.clone()
+    lora_plain.add_patches({f"diffusion_model.{key}": (delta,)}, 1.0)
+    want = tiny_wan.sample(lora_plain)["samples"]
+    comfy_env.mm.unload_all_models()
+    m, _, _, _ = _run_node(comfy_env, _host_offload(model))
+    lora = m.clone()
+    lora.add_patches({f"diffusion_model.{key}": (delta,)}, 1.0)
+    comp = _group(m).components["diffusion_model"]
+    masters = {n: (e.host.data_ptr(), e.host.detach().clone()) for n, e in comp.table.masters.items()}
+    tr = comp.table.transport
+    real_empty, count = tr.empty, {"n": 0}
+
+    def empty(shape, dtype):
+        count["n"] += 1
+        if count["n"] == fail_at:
+            raise torch.OutOfMemoryError("stand-in: out of memory part way through the load")
+        return real_empty(shape, dtype)
+    tr.empty = empty
+    try:
+        if fail_at > 100:             # the same run without a failure: the reference for what follows
+            tiny_wan.sample(lora)
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                tiny_wan.sample(lora)
+    finally:
+        tr.empty = real_empty
+    comfy_env.mm.unload_all_models()
+    _on_masters(m, masters, f"diffusion_model.{key}")
+    assert torch.equal(tiny_wan.sample(lora)["samples"], want)
+    assert torch.equal(tiny_wan.sample(m)["samples"], plain)
+    comfy_env.mm.unload_all_models()
+    _on_masters(m, masters, f"diffusion_model.{key}")
+
+
+def _on_masters(patcher, masters, patched):
+    """Every weight bound to its master again, with the master's values. The patched one's backup is a copy here
+    (ComfyUI backs it up with ``.to(offload_device)``, which copies to this test's ``cpu:0``; on a GPU machine the
+    offload device is the weight's own and the backup is the master itself): its values are checked."""
+    for n, p in patcher.model.named_parameters():
+        if n in masters:
+            assert n == patched or p.data_ptr() == masters[n][0], f"{n} is not back on its master"
+            assert torch.equal(p.detach(), masters[n][1]), f"{n} does not hold its master's values"
