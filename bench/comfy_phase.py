@@ -683,14 +683,17 @@ def _unload_all(env, device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 
 def run_phase_bench(comfy_path: str, device: str, budget_gib: float | None, scale: str = "gpu",
-                    deadline_s: float = 150.0, out_dir: str | None = None) -> dict[str, Any]:
+                    deadline_s: float = 150.0, out_dir: str | None = None,
+                    into: dict[str, Any] | None = None) -> dict[str, Any]:
     """Default flow vs PhaseOffload in ComfyUI at one VRAM budget. Returns a JSON-ready dict and
-    never raises (status ok | partial | skipped | error, with reason)."""
+    never raises (status ok | partial | skipped | error, with reason). ``into``: the dict to fill (and return)
+    as the cases finish, so a caller that must exit early (the suite's watchdog) writes what is done."""
     clock = Clock(deadline_s)
-    result: dict[str, Any] = {"schema": SCHEMA, "status": "running", "reason": None, "device": device,
-                              "scale": scale, "budget_gib": budget_gib, "sizes": {}, "default": None,
-                              "phase_offload": None, "ratio_total_time": None, "bit_identical": None,
-                              "max_abs_diff": None, "notes": [], "timings": {}}
+    result: dict[str, Any] = into if into is not None else {}
+    result.update({"schema": SCHEMA, "status": "running", "reason": None, "device": device,
+                   "scale": scale, "budget_gib": budget_gib, "sizes": {}, "default": None,
+                   "phase_offload": None, "ratio_total_time": None, "bit_identical": None,
+                   "max_abs_diff": None, "notes": [], "timings": {}})
     tmp: Path | None = None
     try:
         if scale not in SCALES:

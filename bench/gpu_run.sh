@@ -10,7 +10,7 @@
 #   .comfy/yzkee      a ComfyUI 0.15+ checkout: the DynamicVRAM baseline
 #   .comfy/site       import-only stand-ins ComfyUI needs on a bare machine
 #   .comfy/gguf       a ComfyUI-GGUF checkout (with the gguf wheel in .whl/): GroupPrefetch on a GGUF model
-# The CUDA tests get at most 150 s; the suite gets what is left of 570 s (at most 450 s).
+# The CUDA tests get at most 230 s (typically ~60 s); the suite gets what is left of 570 s (at most 450 s).
 set -u
 T0=$(date +%s)      # before the wheel install: the device tool's 600 s count the whole command
 OUT=${OUT:-out}
@@ -28,6 +28,19 @@ export PYTHONPATH="$PK:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 [ -f .comfy/gguf/nodes.py ] && export COMFYUI_GGUF_PATH="$PWD/.comfy/gguf"
 [ -d .comfy/gguf ] && [ ! -f .comfy/gguf/nodes.py ] && echo "warning: .comfy/gguf has no nodes.py (copy the checkout's root, e.g. comfyui_gguf/): the GGUF case will skip"
 export PYTHONUNBUFFERED=1
+# What ComfyUI's imports need that the machine may lack (0.8: torchsde, PyAV's name; 0.33: comfy_aimdo,
+# comfy_kitchen; GGUF: gguf): one line each in preflight.txt, so a section that fails on an import is explained
+# before it runs (bench/README.md, "What the device needs", says where each comes from)
+python3 - > "$OUT/preflight.txt" 2>&1 <<'PY'
+import importlib
+for name in ("torch", "torchsde", "av", "sentencepiece", "comfy_kitchen", "comfy_aimdo", "gguf", "matplotlib"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name}: ok ({getattr(m, '__file__', None)})")
+    except Exception as e:
+        print(f"{name}: MISSING ({type(e).__name__}: {e})")
+PY
+grep MISSING "$OUT/preflight.txt" || echo "preflight: every import ComfyUI needs is there"
 
 # The device tool cuts a command at 600 s: the tests and the suite share LIMIT (570 s, leaving room to write out).
 LIMIT=${LEVERS_LIMIT_S:-570}

@@ -1854,9 +1854,11 @@ def sec_comfy_phase(suite: Suite, sec: dict, deadline: float) -> None:
         sys.path.insert(0, str(ROOT / "bench"))
     import comfy_phase
     scale = "gpu" if suite.device.type == "cuda" and not suite.smoke else "cpu"
-    res = comfy_phase.run_phase_bench(suite.args.comfyui, str(suite.device), None, scale=scale,
-                                      deadline_s=max(10.0, deadline - time.monotonic()), out_dir=str(suite.scratch))
-    sec["results"] = res
+    # filled in place: the watchdog's save keeps the cases done if the suite must exit during this section
+    sec["results"] = res = {}
+    comfy_phase.run_phase_bench(suite.args.comfyui, str(suite.device), None, scale=scale,
+                                deadline_s=max(10.0, deadline - time.monotonic()), out_dir=str(suite.scratch),
+                                into=res)
     log(f"  PhaseOffload in ComfyUI: {res.get('status')}, total time phase/default "
         f"{res.get('ratio_total_time')}, bit-identical {res.get('bit_identical')}"
         + (f" ({str(res.get('reason'))[:200]})" if res.get("reason") else ""))
