@@ -444,6 +444,28 @@ def test_generic_rule_orders_several_block_lists_as_the_keys_list_them():
     assert not qmod.should_quantize("out_layer.modulation.out_layer.weight")     # final layer: outside the blocks
 
 
+def test_generic_rule_orders_block_lists_by_name_whatever_order_the_keys_come_in():
+    """A diffusers-layout FLUX file (no rule detects it): its transformer_blocks run before its
+    single_transformer_blocks. `levers quantize` reads a file's keys sorted (single_... first), QuantizeDiT a
+    module's as registered: keep_first_blocks kept a single block from the file and a double block in the node."""
+    k = {"x_embedder.weight": (128, 64), "proj_out.weight": (64, 128)}
+    for lst, n in (("transformer_blocks", 2), ("single_transformer_blocks", 3)):
+        for i in range(n):
+            for p in ("attn.to_q", "attn.to_k", "ff.net.2"):
+                k[f"{lst}.{i}.{p}.weight"] = (128, 128)
+    as_registered = census(k, config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    as_in_a_file = census(dict(sorted(k.items())), config=QuantConfig("fp8", keep_first_blocks=1, keep_last_blocks=1))
+    for c in (as_registered, as_in_a_file):
+        assert c.arch == "generic" and c.n_blocks == 5
+        assert not c.should_quantize("transformer_blocks.0.attn.to_q.weight")
+        assert c.should_quantize("transformer_blocks.1.attn.to_q.weight")
+        assert c.should_quantize("single_transformer_blocks.0.attn.to_q.weight")
+        assert not c.should_quantize("single_transformer_blocks.2.ff.net.2.weight")
+        assert any("transformer_blocks (2), single_transformer_blocks (3)" in n for n in c.notes), c.notes
+    assert [e.quantize for e in sorted(as_registered.entries, key=lambda e: e.key)] == \
+        [e.quantize for e in sorted(as_in_a_file.entries, key=lambda e: e.key)]
+
+
 def krea2_keys(d=128, txt=64, layers=3) -> dict:
     """Krea 2: ``txtfusion`` (2 layer-wise blocks, a projector over the text encoder's layers, 2 refiner blocks) runs
     before the single-stream ``blocks``; per-block modulation is a 1-D table added to the shared ``tproj``."""

@@ -156,7 +156,7 @@ _GENERIC_SKIP = (r"(^|[._])(norm\w*|ln\w*|embed\w*|emb|embedder|mod|modulation|a
 GENERIC = ArchRules(
     name="generic",
     detect=(),
-    # any numbered list of blocks, layers or refiners; lists are told apart and ordered as the keys list them
+    # any numbered list of blocks, layers or refiners; lists are told apart and ordered by their names (_list_rank)
     blocks=(r"^([A-Za-z_]*blocks|[A-Za-z_]*layers|[A-Za-z_]*refiner)\.(\d+)\.",),
     quantize=(r".",),
     skip=((_GENERIC_SKIP, "embedder / norm / modulation / final layer (generic rule)"),),
@@ -283,6 +283,17 @@ def _block_of(name: str, rules: ArchRules) -> tuple[int, str, int] | None:
     return None
 
 
+# words in a block list's name that say it runs before (after) the model's other lists: FLUX's double before its
+# single blocks, a text or context stream, refiners and an encoder's down path before the rest
+_RUNS_FIRST = {"double", "joint", "text", "txt", "context", "refiner", "input", "down", "encoder"}
+_RUNS_LAST = {"single", "output", "up", "decoder"}
+
+
+def _list_rank(name: str) -> int:
+    words = set(re.split(r"[._]", name.lower()))
+    return 0 if words & _RUNS_FIRST else 2 if words & _RUNS_LAST else 1
+
+
 def _extra_skip_match(name: str, patterns: tuple[str, ...]) -> str | None:
     for p in patterns:
         if any(c in p for c in "*?[") and fnmatch.fnmatchcase(name, p):
@@ -311,11 +322,15 @@ def census(source, arch: str | None = None, config: QuantConfig | None = None) -
                      "minus embedders / norms / modulation / final layers)")
 
     found = [b for k, n in names.items() if k not in outside and (b := _block_of(n, rules)) is not None]
-    first_seen = {}
-    for _, lst, _ in found:
-        first_seen.setdefault(lst, len(first_seen))
-    # execution order: the rule's patterns in order; within one pattern, the lists in key order, then the index
-    block_ids = sorted(set(found), key=lambda b: (b[0], first_seen[b[1]], b[2]))
+    # execution order: the rule's patterns in order; within one pattern, the lists by their names (never by the
+    # order the keys come in: a file lists them sorted, a module as registered, and keep_first_blocks must mean
+    # the same blocks for `levers quantize` and QuantizeDiT), then the index
+    block_ids = sorted(set(found), key=lambda b: (b[0], _list_rank(b[1]), b[1], b[2]))
+    lists = list(dict.fromkeys(lst for _, lst, _ in block_ids))
+    if arch == "generic" and len(lists) > 1:
+        counts = {lst: sum(1 for b in block_ids if b[1] == lst) for lst in lists}
+        notes.append("generic rule: block lists taken in this order (keep_first_blocks / keep_last_blocks count "
+                     "along it): " + ", ".join(f"{lst.rstrip('.')} ({counts[lst]})" for lst in lists))
     ordinal = {b: i for i, b in enumerate(block_ids)}
     n_blocks = len(block_ids)
     keep_first = config.keep_first_blocks if config else 0
