@@ -441,3 +441,93 @@ def test_source_tensors_of_the_newer_dtypes_are_copied_and_unknown_ones_named(tm
     bad = ckpt._StreamingSafetensors(str(tmp_path / "bad.safetensors"))
     with pytest.raises(ConfigError, match="complex64"):
         bad.add("z", torch.zeros(2, dtype=torch.complex64))
+
+
+def _lora_peft(n=2, r=4, d=64):
+    return {f"diffusion_model.double_blocks.{i}.img_attn.qkv.lora_{ab}.weight":
+            torch.randn((r, d) if ab == "A" else (3 * d, r)).to(torch.bfloat16) for i in range(n) for ab in "AB"}
+
+
+def _text_encoder(n=2, d=64):
+    sd = {"model.embed_tokens.weight": torch.randn(256, d).to(torch.bfloat16)}
+    for i in range(n):
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[f"model.layers.{i}.self_attn.{p}.weight"] = torch.randn(d, d).to(torch.bfloat16)
+        sd[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(2 * d, d).to(torch.bfloat16)
+    return sd
+
+
+@pytest.mark.parametrize("kind", ["lora_peft", "lora_kohya", "text_encoder", "vae"])
+def test_a_file_that_is_no_diffusion_model_is_refused_by_name(tmp_path, capsys, kind):
+    """A LoRA (ComfyUI / PEFT layout) or a language-model text encoder matched the generic rule and was quantized,
+    exit 0: ComfyUI then read the LoRA's fp8 codes as its A/B matrices (about 100x too large, a warning per key)."""
+    sd = {"lora_peft": _lora_peft, "text_encoder": _text_encoder,
+          "lora_kohya": lambda: {f"lora_unet_double_blocks_{i}_img_attn_qkv.lora_{ud}.weight": torch.randn(8, 8)
+                                 for i in range(2) for ud in ("up", "down")},
+          "vae": lambda: {f"decoder.up.{i}.block.0.conv1.weight": torch.randn(8, 8, 3, 3) for i in range(2)}}[kind]()
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(sd, str(src))
+    assert cli_main(["quantize", str(src), str(out), "--format", "fp8"]) == 2
+    err = capsys.readouterr().err
+    what = {"lora_peft": "a LoRA", "lora_kohya": "a LoRA", "text_encoder": "a text encoder", "vae": "a VAE"}[kind]
+    assert f"looks like {what}" in err and "in.safetensors" in err, err
+    assert not out.exists() and os.listdir(tmp_path) == ["in.safetensors"]
+
+
+def test_a_layout_no_rule_knows_is_quantized_when_asked_with_arch_generic(tmp_path):
+    """The text-encoder check is a guess from key names: --arch generic says the file is a diffusion model."""
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(_text_encoder(), str(src))
+    report = ckpt.quantize_file(str(src), str(out), QuantConfig("fp8"), arch="generic", measure=False)
+    assert len(report.layers) == 10
+    with pytest.raises(ConfigError, match="looks like a LoRA"):    # never a diffusion model
+        save_file(_lora_peft(), str(src))
+        ckpt.quantize_file(str(src), str(tmp_path / "o2.safetensors"), QuantConfig("fp8"), arch="generic")
+
+
+def test_checks_of_in_s_keys_come_before_the_backend_loads(tmp_path, monkeypatch, capsys):
+    """torchao prints library-loading lines on import: "already quantized" or "looks like a LoRA" came after them."""
+    from comfyui_levers.core.quant import checkpoint
+
+    real = checkpoint.get_quantizer
+
+    class NoBackend:
+        def __init__(self, q):
+            self.q = q
+
+        def require(self):
+            raise AssertionError("the backend was loaded before IN's keys were checked")
+
+        def __getattr__(self, name):
+            return getattr(self.q, name)
+    monkeypatch.setattr(checkpoint, "get_quantizer", lambda fmt: NoBackend(real(fmt)))
+    src = tmp_path / "lora.safetensors"
+    save_file(_lora_peft(), str(src))
+    assert cli_main(["quantize", str(src), str(tmp_path / "out.safetensors"), "--format", "int8"]) == 2
+    assert "looks like a LoRA" in capsys.readouterr().err
+
+
+def test_sigterm_during_a_quantize_removes_its_scratch_files(src, tmp_path, capsys, monkeypatch):
+    """timeout, docker stop and systemd send SIGTERM: its default action ended the process with a hidden
+    .levers-data-* file beside OUT (gigabytes for a real model). Now the writer cleans up, exit status 143."""
+    import signal
+
+    from comfyui_levers.core.quant import cli as qcli
+
+    path, _ = src
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+
+    def progress():
+        def update(done, total, key):
+            if done == 3:
+                assert any(n.startswith(".levers-data-") for n in os.listdir(outdir)), "the writer has started"
+                os.kill(os.getpid(), signal.SIGTERM)
+        return update
+    monkeypatch.setattr(qcli, "_progress_bar", progress)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["quantize", path, str(outdir / "out.safetensors"), "--format", "fp8", "--no-sqnr"])
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert os.listdir(outdir) == []
+    assert signal.getsignal(signal.SIGTERM) == before      # the handler lives only as long as the quantize

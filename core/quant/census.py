@@ -246,6 +246,35 @@ def detect_arch(keys: Iterable[str]) -> str:
     return "generic"
 
 
+# files that are not a diffusion model, by the keys only they hold: (what it is, key pattern)
+_LORA_KEYS = re.compile(r"(\.|^)(lora_(A|B|up|down|mid)|lokr_w\d|hada_w\d|lora_te\d?_|lora_unet_|oft_)|\.diff_b?$")
+_FOREIGN = (
+    ("a text encoder (a language model's embed_tokens and numbered layers)",
+     re.compile(r"(^|\.)(embed_tokens\.weight|layers\.\d+\.self_attn\.q_proj\.weight)$")),
+    ("a text encoder (CLIP's text_model)", re.compile(r"(^|\.)text_model\.encoder\.layers\.\d+\.")),
+    ("a text encoder (T5's encoder.block)", re.compile(r"(^|\.)encoder\.block\.\d+\.layer\.\d+\.")),
+    ("a VAE (encoder.down / decoder.up)", re.compile(r"(^|\.)(encoder\.down|decoder\.up(_blocks)?)\.\d+\.")),
+)
+
+
+def not_a_diffusion_model(keys: Iterable[str], arch: str) -> str | None:
+    """What a file that is no diffusion model is, from its keys (None when it may be one): a LoRA whatever the
+    census found, a text encoder or VAE when no rule recognised the keys (the generic rule would quantize a
+    language model's layers as if they were a DiT's blocks). A full checkpoint holds a text encoder and VAE
+    beside its model.diffusion_model: not asked here."""
+    keys = list(keys)
+    lora = next((k for k in keys if _LORA_KEYS.search(k)), None)
+    if lora is not None:
+        return f"a LoRA (its key {lora!r})"
+    if arch != "generic" or any(k.startswith("model.diffusion_model.") for k in keys):
+        return None
+    for what, pattern in _FOREIGN:
+        hit = next((k for k in keys if pattern.search(k)), None)
+        if hit is not None:
+            return f"{what}: its key {hit!r}"
+    return None
+
+
 def _rules(arch: str) -> ArchRules:
     if arch == "generic":
         return GENERIC

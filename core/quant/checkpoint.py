@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError
 from ..types import Precision
-from .census import census as run_census
+from .census import census as run_census, not_a_diffusion_model
 from .metrics import sqnr
 from .registry import Granularity, LayerReport, QuantConfig, QuantizedWeight, QuantReport, get_quantizer
 
@@ -240,7 +240,6 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
     """Quantize a .safetensors diffusion model tensor by tensor into ``dst`` (see module docstring)."""
 
     quantizer = get_quantizer(config.format)
-    quantizer.require()
     if same_file(src, dst):        # before the exists check, whose advice (--force) would not help
         raise ConfigError("OUT", dst, "a path different from IN", "Write to a new file, then rename it yourself.")
     check_output_path(dst, force)
@@ -257,6 +256,13 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
                               "this file is already quantized")
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
         plan = run_census(shapes, arch=arch, config=config)
+        foreign = not_a_diffusion_model(keys, plan.arch if arch in (None, "", "auto") else "explicit")
+        if foreign is not None:
+            raise ConfigError("IN", src, "a diffusion model (DiT or UNet) checkpoint",
+                              f"{os.path.basename(src)} looks like {foreign}. Quantize the diffusion model it "
+                              "goes with; ComfyUI applies a 16-bit LoRA to a quantized model at load (LoraLoader "
+                              "after the loader), and keeps text encoders and VAEs as they are. A diffusion model "
+                              "of a layout no rule knows: pass --arch generic")
         report = QuantReport(config=config, arch=plan.arch, notes=list(plan.notes))
         targets = [e.key for e in plan.quantized]
         set_targets = set(targets)
@@ -278,6 +284,9 @@ def quantize_file(src: str, dst: str, config: QuantConfig, arch: str | None = No
                               f"nothing in {os.path.basename(src)} matched the {plan.arch} census "
                               f"({len(keys)} tensors, all kept); pass --arch with the model's family, or check the "
                               "file is a diffusion model")
+        # after the checks of IN's keys: a backend's import prints library-loading lines (torchao), which would
+        # bury their one-line errors
+        quantizer.require()
 
         def stream():
             for i, k in enumerate(keys):

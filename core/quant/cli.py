@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 from ..errors import ConfigError, LeversError
@@ -119,14 +121,33 @@ def _os_error_text(exc: OSError, args) -> str:
     return f"cannot read {name}: {reason}"
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm():
+    """SIGTERM (``timeout``, ``docker stop``, systemd) as an exception, so the writer's cleanup removes its
+    scratch files beside OUT (the default action ends the process on the spot and leaves them, gigabytes for a
+    real model) and the exit status is still 128 + 15."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:              # not the main thread: nothing to install
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run(args) -> int:
     try:
         config = _config(args)
         _check_paths(args)
         from .checkpoint import quantize_file
 
-        report = quantize_file(args.input, args.output, config, arch=None if args.arch == "auto" else args.arch,
-                               force=args.force, measure=not args.no_sqnr, progress=_progress_bar())
+        with _exit_on_sigterm():
+            report = quantize_file(args.input, args.output, config, arch=None if args.arch == "auto" else args.arch,
+                                   force=args.force, measure=not args.no_sqnr, progress=_progress_bar())
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
