@@ -639,9 +639,14 @@ def run(args) -> int:
     text = json.dumps(result, indent=2)
     print(text if args.json else format_text(result))
     if args.out:
+        tmp = f"{args.out}.tmp"
         try:
-            Path(args.out).write_text(text + "\n")
+            # whole or not at all: a full disk must not leave a truncated file, nor empty an earlier run's
+            Path(tmp).write_text(text + "\n")
+            os.replace(tmp, args.out)
         except OSError as exc:        # checked before the run, so the disk filled up or the folder went away
-            print(f"levers bench: could not write --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            Path(tmp).unlink(missing_ok=True)
+            print(f"levers bench: could not write --out {args.out}: {exc.strerror or exc}; an earlier file there "
+                  "is unchanged, and the results are above", file=sys.stderr)
             return 1
     return 0 if not result["skipped"] else 1

@@ -329,6 +329,28 @@ def test_bench_refuses_arguments_it_cannot_honour_before_running(change, needle,
     assert needle in capsys.readouterr().err
 
 
+def test_bench_out_is_written_whole_or_not_at_all(monkeypatch, capsys, tmp_path):
+    """A disk that fills up while --out is written: it left a truncated (or 0-byte) file, and emptied the file an
+    earlier run had written there. The earlier file stays; no temp file is left; exit 1."""
+    monkeypatch.setattr(benchmark, "run_bench", lambda *a, **k: {"skipped": [], "sections": {}, "machine": {}})
+    monkeypatch.setattr(benchmark, "format_text", lambda result: "results")
+    out = tmp_path / "bench.json"
+    out.write_text('{"earlier": true}\n')
+    real_write = Path.write_text
+
+    def full_disk(self, text, *a, **k):
+        real_write(self, text[:7], *a, **k)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    ns = argparse.Namespace(cpu=True, quick=True, json=False, out=str(out), sections="recommend", machine_name=None,
+                            threads=None)
+    assert benchmark.run(ns) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert out.read_text() == '{"earlier": true}\n' and os.listdir(tmp_path) == ["bench.json"]
+    monkeypatch.setattr(Path, "write_text", real_write)
+    assert benchmark.run(ns) == 0 and json.loads(out.read_text()) == {"skipped": [], "sections": {}, "machine": {}}
+
+
 def test_suite_host_weights_give_back_every_pin_use_they_take(monkeypatch):
     """Found in review: on CUDA the DiT section pinned its host weights after GroupPrefetch's copy had taken their
     place; each weight inside the copy's page-locked segments took a use of that range that nothing gave back, so
