@@ -565,6 +565,8 @@ def free_other_models(vae, plan=None) -> str:
     if dev.type == "cpu":
         return "VAE runs on the CPU: nothing to unload"
     keep, why = _kept_resident(mm, plan)
+    # the VAE itself: unloaded with the others, load_models_gpu below would copy it back at once
+    keep = keep + [lm for lm in mm.current_loaded_models if lm.model is vae.patcher and lm not in keep]
     before = mm.get_free_memory(dev)
     # ComfyUI books a model under its load device (``cuda:0``); a VAE may name the device without its index
     for d in {lm.device for lm in mm.current_loaded_models if _same_device(lm.device, dev)}:
@@ -639,12 +641,13 @@ def budget_bytes(vae, settings: TiledDecodeSettings) -> tuple[int, str]:
         return int(settings.memory_budget_gb * GIB), f"budget {settings.memory_budget_gb:g} GB (given)"
     dev = torch.device(vae.device)
     free = mm.get_free_memory(dev)
-    budget, line = int(free * 0.9), f"budget 90% of free memory on {dev} ({free / GIB:.2f} GiB free)"
+    # at least a byte: a budget of nothing is a decode that fits nowhere, which falls back to ComfyUI's tiles
+    budget, line = max(1, int(free * 0.9)), f"budget 90% of free memory on {dev} ({free / GIB:.2f} GiB free)"
     args = getattr(sys.modules.get("comfy.cli_args"), "args", None)
     reserve = getattr(mm, "extra_reserved_memory", lambda: 0)() if getattr(args, "reserve_vram", None) else 0
     if dev.type != "cpu" and reserve and free - reserve < budget:
         # --reserve-vram: the room the user keeps for other programs stays free during the decode too
-        budget = max(0, int(free - reserve))
+        budget = max(1, int(free - reserve))
         line = (f"budget {budget / GIB:.2f} GiB: free memory on {dev} ({free / GIB:.2f} GiB) less ComfyUI's "
                 f"--reserve-vram ({reserve / GIB:.2f} GiB)")
     return budget, line
@@ -787,7 +790,7 @@ def _user_tile_over_budget(plan: TilePlan, budget: int, settings: TiledDecodeSet
                              f"Raise memory_budget_gb to at least {math.ceil(need / GIB * 1000) / 1000:.3f}, or "
                              f"{advice}.")
     rep.add(f"warning: tile_size {settings.tile_size} px is predicted to need {need / GIB:.3f} GiB, over the "
-            f"{budget / GIB:.3f} GiB budget (90% of the free memory); decoding with it as asked. To stay within the "
+            f"{budget / GIB:.3f} GiB budget (the auto budget above); decoding with it as asked. To stay within the "
             f"budget, {advice}.")
 
 
@@ -869,6 +872,11 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                "latent frame" if units else "")
             + f"; tail receptive field {halo_px:.0f} px")
 
+    # chunks and tiles put their pieces on ComfyUI's output device (float32): when that is the decode's device
+    # (--gpu-only, --cpu-vae) the finished output stays beside the work (streamed chunks count it in their base)
+    kept_output = (samples.shape[0] * n_out * frame_px * 3 * 4
+                   if torch.device(vae.output_device).type == torch.device(vae.device).type and not units else 0)
+
     def plan_at(tile_latent: int | None) -> TilePlan:
         """The plan with tiles of ``tile_latent`` latent px (None: the planner's own)."""
         return plan_decode(tuple(samples.shape), s, cost, budget, halo_px=halo_px,
@@ -881,7 +889,8 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
                                                                       bool(units)),
                            out_frames=_out_frames(vae, samples.shape[2]) if video else None,
                            auto_chunk_frames=staged.own_chunk_frames if own else 1,
-                           tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0)
+                           tile_out_frames=_out_frames(vae, samples.shape[2]) if all_frames else 0,
+                           kept_output_bytes=kept_output)
 
     try:
         plan = plan_at(tile_lat)

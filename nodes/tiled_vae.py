@@ -35,7 +35,9 @@ class LeversTiledVAEDecode(io.ComfyNode):
                                      "that fit the budget with the least recomputed overlap."),
                 io.Int.Input("overlap", default=0, min=0, max=4096, step=8,
                              tooltip="Overlap between tiles in output pixels. 0 = auto: twice the decoder's measured "
-                                     "receptive field, which makes tiles exact. Smaller values are blended."),
+                                     "receptive field, which makes tiles exact. Smaller values are blended. An overlap "
+                                     "not less than the tile is taken as a quarter of the tile, as VAEDecodeTiled "
+                                     "takes it, with a line in the report."),
                 io.Int.Input("temporal_size", default=0, min=0, max=4096, step=4,
                              tooltip="Video only: output frames per chunk. 0 = auto (whole video if it fits, else "
                                      "one latent frame at a time, or the decoder's own chunks where it has them; LTX "

@@ -117,6 +117,32 @@ def test_video_tiles_that_hold_all_their_frames_count_them():
     assert held.predicted_peak_bytes >= cost.output_bytes_per_px * tile_px * 81
 
 
+def test_output_kept_on_the_decode_device_is_counted_in_chunks_and_tiles():
+    """Found in review: with ComfyUI's output device the decode's (--gpu-only, --cpu-vae) the decoded frames and the
+    tile canvas grow there while chunks and tiles run, then are joined (two copies); the plans counted one chunk's
+    frames and no canvas, so "fits the budget" was optimistic by the whole video (~0.4 GiB per float32 copy at
+    81 frames of 832x480)."""
+    cost = DecodeCost(whole_bytes_per_px=3000.0, tile_bytes_per_px=3000.0, stem_bytes_per_px=100.0,
+                      output_bytes_per_px=24.0)
+    shape, frame_px = (1, 16, 21, 64, 64), 512 * 512
+    kept = 81 * frame_px * 3 * 4
+    whole = 3000.0 * frame_px + 24.0 * frame_px * 81
+    free = plan_decode(shape, 8, cost, budget_bytes=int(whole * 0.9), temporal_supported=True, out_frames=81)
+    stays = plan_decode(shape, 8, cost, budget_bytes=int(whole * 0.9), temporal_supported=True, out_frames=81,
+                        kept_output_bytes=kept)
+    assert free.mode == stays.mode == "temporal"
+    assert stays.predicted_peak_bytes == max(free.predicted_peak_bytes + kept, 2 * kept)
+    tiles = plan_decode(shape, 8, cost, budget_bytes=600 * MIB, halo_px=8.0, out_frames=81)
+    tiles_stay = plan_decode(shape, 8, cost, budget_bytes=600 * MIB, halo_px=8.0, out_frames=81,
+                             kept_output_bytes=kept)
+    assert tiles.mode == tiles_stay.mode == "spatial"
+    assert tiles_stay.tile[0] * tiles_stay.tile[1] < tiles.tile[0] * tiles.tile[1]
+    assert kept < tiles_stay.predicted_peak_bytes <= 600 * MIB
+    with pytest.raises(BudgetExceeded):          # the join alone does not fit
+        plan_decode(shape, 8, cost, budget_bytes=int(1.5 * kept), halo_px=8.0, out_frames=81,
+                    temporal_supported=True, kept_output_bytes=kept)
+
+
 def test_budget_too_small_raises_with_numbers():
     with pytest.raises(BudgetExceeded, match=r"needs [0-9.]+ (GiB|MiB) but only 0\.0 MiB"):
         plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=1000, halo_px=8.0)
@@ -149,8 +175,12 @@ def test_overlap_only_counts_along_the_axis_that_is_cut():
     p = plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, halo_px=196.0, tile=32, overlap=25)
     assert p.mode == "spatial" and p.tile == (8, 32) and p.overlap == 25 and p.exact
     assert len(make_grid(8, 36, p.tile, p.overlap, 16)) == 2
-    with pytest.raises(ConfigError, match="overlap"):
-        plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, tile=32, overlap=32)
+    # an overlap as wide as the tile is a quarter of it, as VAEDecodeTiled takes it (it was an error: that node's
+    # defaults, tile 64 overlap 64, failed here)
+    p = plan_decode((1, 16, 8, 36), 16, COST, budget_bytes=10 ** 12, tile=32, overlap=32)
+    assert p.tile == (8, 32) and p.overlap == 8 and "a quarter of the tile, as VAEDecodeTiled" in p.reason
+    p = plan_decode((1, 16, 64, 64), 8, COST, budget_bytes=10 ** 12, tile=8, overlap=512)
+    assert p.overlap == 2 and len(make_grid(64, 64, p.tile, p.overlap, 8)) > 1
 
 
 def test_layered_between_whole_and_tiles():

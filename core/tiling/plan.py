@@ -69,7 +69,7 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
                 halo_px: float = 0.0, tile: int | None = None, overlap: int | None = None,
                 chunk_frames: int | None = None, align: int = 1, spatial_supported: bool = True,
                 temporal_supported: bool = False, out_frames: int | None = None,
-                auto_chunk_frames: int = 1, tile_out_frames: int = 0) -> TilePlan:
+                auto_chunk_frames: int = 1, tile_out_frames: int = 0, kept_output_bytes: int = 0) -> TilePlan:
     """Choose the cheapest decode that fits ``budget_bytes``.
 
     latent_shape: [B, C, H, W] or [B, C, T, H, W]. scale: output px per latent px.
@@ -78,7 +78,9 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
     temporal chunk (None = auto: ``auto_chunk_frames``, the smallest chunk the decoder can run
     exactly; for a decoder streamed through time, the longest chunk that fits). out_frames: decoded
     frames for a video latent (None = T). tile_out_frames: output frames a video tile keeps on the
-    device until it ends (a decoder that runs all frames of a tile in one call).
+    device until it ends (a decoder that runs all frames of a tile in one call). kept_output_bytes: the finished
+    output when it stays on the decode's device (ComfyUI's output device is that device: --gpu-only, --cpu-vae):
+    it grows there while chunks and tiles run, and is held twice while they are joined.
     Auto never tiles when the whole decode fits. For an image that does not fit whole, the layered decode
     (``cost.layered_bytes_per_px`` > 0) comes before tiles: it is exact and recomputes only a few rows.
     """
@@ -101,7 +103,8 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
         p = plan_decode(latent_shape, scale, cost, budget_bytes, halo_px=halo_px, tile=None, overlap=overlap,
                         chunk_frames=chunk_frames, align=align, spatial_supported=spatial_supported,
                         temporal_supported=temporal_supported, out_frames=out_frames,
-                        auto_chunk_frames=auto_chunk_frames, tile_out_frames=tile_out_frames)
+                        auto_chunk_frames=auto_chunk_frames, tile_out_frames=tile_out_frames,
+                        kept_output_bytes=kept_output_bytes)
         return replace(p, reason=f"tile_size covers the whole {h * scale}x{w * scale}px frame, so no tiles were "
                                  f"asked for; {p.reason}")
     frame_px = h * w * scale * scale
@@ -115,10 +118,18 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
 
     streamed = cost.stream_base_bytes_per_px > 0 or cost.stream_frame_bytes_per_px > 0
 
+    kept = max(0, int(kept_output_bytes))
+
+    def with_output(peak: float) -> int:
+        """A chunk's or tile's peak with the finished output beside it, or the join of the pieces (two copies)."""
+        return int(max(peak + kept, 2 * kept))
+
     def chunk_peak(frames: int) -> int:
-        if streamed:            # each chunk's frames leave the device as the decoder returns them
+        if streamed:            # each chunk's frames leave the device as the decoder returns them (the bridge
+            # counts frames that stay in the measured base)
             return int((cost.stream_base_bytes_per_px + cost.stream_frame_bytes_per_px * frames) * frame_px)
-        return int(cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
+        return with_output(cost.whole_bytes_per_px * frame_px
+                           + cost.output_bytes_per_px * frame_px * per_latent_frame * frames)
 
     if tile is None:
         chunks_possible = video and temporal_supported and chunk_frames is not None
@@ -164,8 +175,8 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
     def tile_peak(tt: tuple[int, int]) -> int:
         # the stem pass ends before tiles start, so its peak is checked on its own
         tile_px = tt[0] * tt[1] * scale * scale
-        return int(stored + cost.tile_bytes_per_px * tile_px * (cf or 1)
-                   + cost.output_bytes_per_px * tile_px * tile_out_frames)
+        return with_output(stored + cost.tile_bytes_per_px * tile_px * (cf or 1)
+                           + cost.output_bytes_per_px * tile_px * tile_out_frames)
 
     if tile is not None:
         tt = (min(tile, h), min(tile, w))
@@ -177,8 +188,11 @@ def plan_decode(latent_shape: tuple[int, ...], scale: int, cost: DecodeCost, bud
             ov = max(0, cut // 2)
             clamped = f"; auto overlap clamped to {ov * scale}px (half a tile)"
         if ov >= cut:
-            raise ConfigError("overlap", ov * scale, f"less than tile_size ({cut * scale}px)",
-                              "Lower the overlap or raise tile_size.")
+            # an overlap as wide as the tile: a quarter of the tile, what VAEDecodeTiled makes of it (its defaults,
+            # tile 64 overlap 64, mean the same here)
+            asked, ov = ov, cut // 4
+            clamped = (f"; overlap {asked * scale}px is not less than the tile ({cut * scale}px): {ov * scale}px, a "
+                       "quarter of the tile, as VAEDecodeTiled takes it")
         exact = ov >= min_overlap
         why = "tile_size given" + ("" if exact else
                                    f"; overlap {ov * scale}px is below the decoder's receptive field "

@@ -226,6 +226,48 @@ def test_free_memory_below_the_smallest_plan_falls_back_to_comfyuis_tiled_decode
     assert img.shape[1:3] == (192, 192), report
 
 
+def test_an_auto_budget_of_nothing_falls_back_instead_of_failing(comfy_env, kl_vae, monkeypatch):
+    """Found in review: with less free memory than ComfyUI's --reserve-vram (or under 2 bytes free) the auto budget
+    was 0, which the planner refused as an invalid budget_bytes, an input the user never set, instead of taking
+    ComfyUI's tiled decode as any budget too small does. The VAE's device reads as CUDA (no GPU here)."""
+    from types import SimpleNamespace
+
+    import comfy.cli_args
+
+    from comfyui_levers.bridge import vae as bv
+
+    GIB = 1024 ** 3
+    monkeypatch.setattr(comfy_env.mm, "get_free_memory", lambda *a, **k: 2 * GIB)
+    monkeypatch.setattr(comfy_env.mm, "extra_reserved_memory", lambda: 3 * GIB)
+    monkeypatch.setattr(comfy.cli_args.args, "reserve_vram", 3.0)
+    budget, line = bv.budget_bytes(SimpleNamespace(device="cuda:0"), bv.TiledDecodeSettings())
+    assert budget >= 1 and "--reserve-vram" in line, (budget, line)
+    monkeypatch.setattr(comfy_env.mm, "get_free_memory", lambda *a, **k: 1)
+    assert bv.budget_bytes(SimpleNamespace(device="cpu"), bv.TiledDecodeSettings())[0] >= 1
+    monkeypatch.undo()
+    monkeypatch.setattr(bv, "budget_bytes", lambda vae, settings: (max(1, budget), line))
+    img, report = run_node(comfy_env, {"samples": smooth_latent((1, 16, 24, 24), 13)}, kl_vae)
+    assert img.shape[1:3] == (192, 192) and "fallback: ComfyUI's VAEDecodeTiled" in report, report
+
+
+def test_unloading_the_other_models_leaves_the_vae_loaded(comfy_env, kl_vae, monkeypatch):
+    """Found in review: ComfyUI's free_memory unloads every model on the device that is not kept, the VAE's own
+    entry too, which load_models_gpu then copied back: a VAE round trip on every decode. The VAE's device reads as
+    CUDA for the node's CPU check (no GPU here)."""
+    from comfyui_levers.bridge import vae as bv
+
+    mm = comfy_env.mm
+    mm.load_models_gpu([kl_vae.patcher])
+    entry = next(lm for lm in mm.current_loaded_models if lm.model is kl_vae.patcher)
+    monkeypatch.setattr(kl_vae, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(bv, "_same_device", lambda a, b: True)
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (0, 0) if torch_free_too else 0)
+    line = bv.free_other_models(kl_vae)
+    monkeypatch.undo()
+    assert "unloaded other models" in line
+    assert any(lm is entry for lm in mm.current_loaded_models), "the VAE was unloaded and loaded again"
+
+
 def test_a_tile_size_over_the_budget_is_an_error_with_a_budget_set_and_a_warning_without(comfy_env, kl_vae,
                                                                                          monkeypatch):
     """Found in review: a tile_size set with a memory_budget_gb its tiles exceed was decoded anyway, silently (the
@@ -366,6 +408,15 @@ def test_bad_inputs_name_the_field(comfy_env, kl_vae):
         run_node(comfy_env, latent, kl_vae, memory_budget_gb=-1.0)
     with pytest.raises(IncompatibleInput, match="vae"):
         run_node(comfy_env, latent, object())
+
+
+def test_vaedecodetiled_s_own_defaults_mean_the_same_here(comfy_env, kl_vae):
+    """tile_size 64, overlap 64 (VAEDecodeTiled's minimum tile with its default overlap) were an error here:
+    VAEDecodeTiled takes an overlap that does not fit as a quarter of the tile, and so does this node."""
+    latent = {"samples": smooth_latent((1, 16, 24, 24), 5)}
+    img, report = run_node(comfy_env, latent, kl_vae, tile_size=64, overlap=64)
+    assert img.shape[1:3] == (192, 192)
+    assert "overlap 64px is not less than the tile (64px): 16px" in report, report
 
 
 def test_a_latent_from_another_model_family_is_named_with_the_fix(comfy_env, kl_vae, wan_vae):
