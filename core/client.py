@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import socket
 import ssl
 import struct
@@ -29,7 +30,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .errors import LeversError
 
@@ -78,6 +79,21 @@ class ServerUnreachable(LeversError, ConnectionError):
             f"--port 8188`) or point --server / COMFYUI_URL at the running server.")
 
 
+class PlainHTTPAnswer(ServerUnreachable):
+    """--server names https://, but the server there answered in plain HTTP (the TLS handshake read its reply)."""
+
+    def __init__(self, url: str, reason: str):
+        self.url, self.reason = url, reason
+        plain = "http://" + url.split("://", 1)[1]
+        LeversError.__init__(self, f"the server at {url} answered plain HTTP, not HTTPS ({reason}). Use {plain} in "
+                                   f"--server / COMFYUI_URL (ComfyUI serves plain HTTP unless started with "
+                                   f"--tls-keyfile and --tls-certfile).")
+
+
+# What OpenSSL reports when the first bytes it reads are a plain HTTP reply ("HTTP/1.1 400 ..."): 3.0 and 3.2+.
+PLAIN_HTTP_TLS_ERRORS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE"})
+
+
 class NotComfyUI(ServerUnreachable):
     """Something answered at the server URL, but not as ComfyUI does."""
 
@@ -118,10 +134,11 @@ class BadServerURL(LeversError, ValueError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a run, after the prompt was taken out of ComfyUI's queue or stopped; ``done`` says which."""
+    """Ctrl-C during a run: after the prompt was taken out of ComfyUI's queue or stopped, or, once it had finished,
+    while its outputs were downloading; ``done`` says which, ``files`` what was saved by then."""
 
-    def __init__(self, done: str):
-        self.done = done
+    def __init__(self, done: str, prompt_id: str | None = None, files: Iterable[str] = ()):
+        self.done, self.prompt_id, self.files = done, prompt_id, list(files)
         super().__init__(done)
 
 
@@ -566,6 +583,37 @@ def validate_api(api: dict, object_info: dict, *, allow_missing_files: bool = Fa
     return problems
 
 
+def require_api_shape(api: dict) -> None:
+    """Raise WorkflowError unless each node of an API prompt is what `levers run` needs to read it at all: an
+    object with a string ``class_type``, an ``inputs`` object and, when there, a ``_meta`` object.
+
+    Checked even under --no-validate: the progress display, --set and the reports read every node, and a node
+    written as a number or with a list for ``inputs`` ended in a traceback there (ComfyUI refuses both too).
+    """
+    problems = []
+    for node_id, node in api.items():
+        if not isinstance(node, dict):
+            problems.append(f"node {node_id} is {reprlib.repr(node)}, not a node object")
+            continue
+        kind = node.get("class_type")
+        if "class_type" not in node:
+            problems.append(f"node {node_id} has no 'class_type' (the node class, e.g. \"KSampler\")")
+        elif not isinstance(kind, str):
+            problems.append(f"node {node_id}: 'class_type' is {reprlib.repr(kind)}, not a node class name "
+                            f"(e.g. \"KSampler\")")
+        label = f"node {node_id} ({kind})" if isinstance(kind, str) else f"node {node_id}"
+        if "inputs" not in node:
+            problems.append(f"{label} has no 'inputs' (an object of input name: value; {{}} for none)")
+        elif not isinstance(node["inputs"], dict):
+            problems.append(f"{label}: 'inputs' is {reprlib.repr(node['inputs'])}, not an object of input name: value")
+        if "_meta" in node and not isinstance(node["_meta"], dict):
+            problems.append(f"{label}: '_meta' is {reprlib.repr(node['_meta'])}, not an object ({{\"title\": ...}})")
+    if problems:
+        raise WorkflowError("the API workflow is malformed (nothing was submitted): each node must be "
+                            "{\"class_type\": ..., \"inputs\": {...}}; export it again with Workflow > Export (API), "
+                            "or fix these nodes:", problems)
+
+
 def _needed(api: dict, outputs: Iterable[str]) -> list[str]:
     """The output nodes and every node they reach up through their links, in the prompt's order."""
     seen: set[str] = set()
@@ -725,27 +773,52 @@ class Assignment:
     node: str
     input: str
     raw: str
+    option: str = "--set"        # the command-line option it came from, which its errors name
+
+
+def _split_assignment(text: str, option: str) -> Assignment | None:
+    """``NODE.INPUT=VALUE`` split at the first "=" and the last dot before it; None when a part is missing."""
+    key, sep, raw = text.partition("=")
+    node, dot, name = key.strip().rpartition(".")
+    if not sep or not dot or not node or not name:
+        return None
+    return Assignment(node.strip(), name.strip(), raw, option)
 
 
 def parse_set(text: str) -> Assignment:
     """Parse ``NODE.INPUT=VALUE``; NODE is a node id, a title or a unique class type."""
-    key, sep, raw = text.partition("=")
-    node, dot, name = key.strip().rpartition(".")
-    if not sep or not dot or not node or not name:
+    a = _split_assignment(text, "--set")
+    if a is None:
         raise WorkflowError(f"--set {text!r}: expected NODE.INPUT=VALUE, e.g. --set 3.seed=42 or "
                             f"--set \"KSampler.steps=20\" (NODE is a node id, a title, or a class type that "
                             f"appears once)")
-    return Assignment(node.strip(), name.strip(), raw)
+    return a
 
 
 def parse_input(text: str) -> Assignment:
-    """Parse ``--input NODE.INPUT=FILE``; the file must exist (it is uploaded once the prompt passes the checks)."""
-    a = parse_set(text)
+    """Parse ``--input NODE.INPUT=FILE``; the file must exist and be readable (it is uploaded once the prompt
+    passes the checks)."""
+    a = _split_assignment(text, "--input")
+    if a is None:
+        raise WorkflowError(f"--input {text!r}: expected NODE.INPUT=FILE, e.g. --input LoadImage.image=photos/cat.png "
+                            f"(NODE is a node id, a title, or a class type that appears once)")
     path = os.path.expanduser(a.raw.strip())
     if not path or not os.path.isfile(path):
         raise WorkflowError(f"--input {text!r}: {path or 'FILE'} is not a file here; name a file to upload, e.g. "
                             f"--input LoadImage.image=photos/cat.png")
-    return Assignment(a.node, a.input, path)
+    a = Assignment(a.node, a.input, path, a.option)
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise WorkflowError(_unreadable_input(a, exc)) from None
+    return a
+
+
+def _unreadable_input(a: Assignment, exc: OSError) -> str:
+    """The error for an --input file that cannot be opened: parse_input checks it, the upload reads it again."""
+    return (f"--input {a.node}.{a.input}={a.raw}: cannot read {a.raw}: {exc.strerror or exc}; make it readable "
+            f"(check its permissions) or name another file")
 
 
 def with_uploads(object_info: dict, uploads: list[Assignment]) -> dict:
@@ -772,7 +845,7 @@ def with_uploads(object_info: dict, uploads: list[Assignment]) -> dict:
     return info
 
 
-def find_node(api: dict, ref: str) -> str:
+def find_node(api: dict, ref: str, option: str = "--set") -> str:
     """Node id for ``ref``: an id, else a title (exact, then case-insensitive), else a unique class type."""
     if ref in api:
         return ref
@@ -783,9 +856,9 @@ def find_node(api: dict, ref: str) -> str:
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:
-            raise WorkflowError(f"--set: {ref!r} matches nodes {', '.join(hits)}; use the node id instead")
+            raise WorkflowError(f"{option}: {ref!r} matches nodes {', '.join(hits)}; use the node id instead")
     listing = [f"{i} {n.get('_meta', {}).get('title', n.get('class_type'))!r}" for i, n in api.items()]
-    raise WorkflowError(f"--set: no node {ref!r} in the workflow; nodes are:", listing)
+    raise WorkflowError(f"{option}: no node {ref!r} in the workflow; nodes are:", listing)
 
 
 def coerce_value(spec: InputSpec, raw: str, where: str):
@@ -852,10 +925,10 @@ def _resolve_split(api: dict, a: Assignment, object_info: dict) -> Assignment:
             node_id = find_node(api, node)
         except WorkflowError:
             continue
-        first = first or Assignment(node, name, a.raw)
+        first = first or Assignment(node, name, a.raw, a.option)
         info = object_info.get(api[node_id].get("class_type"))
         if info is not None and name in {s.name for s in input_specs(info, api[node_id].get("inputs") or {})}:
-            return Assignment(node, name, a.raw)
+            return Assignment(node, name, a.raw, a.option)
     return first or a
 
 
@@ -864,10 +937,10 @@ def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) 
     result = json.loads(json.dumps(api))
     for a in assignments:
         a = _resolve_split(result, a, object_info)
-        node_id = find_node(result, a.node)
+        node_id = find_node(result, a.node, a.option)
         node = result[node_id]
         info = object_info.get(node["class_type"])
-        where = f"--set {a.node}.{a.input}"
+        where = f"{a.option} {a.node}.{a.input}"
         if info is None:
             raise WorkflowError(f"{where}: node type {node['class_type']!r} is not installed on this ComfyUI "
                                 f"({NOT_INSTALLED_FIX})")
@@ -877,7 +950,7 @@ def apply_sets(api: dict, assignments: Iterable[Assignment], object_info: dict) 
             raise WorkflowError(f"{where}: node {node_id} ({node['class_type']}) has no input {a.input!r}; "
                                 f"inputs: {', '.join(specs) or 'none'}")
         if not spec.is_widget and spec.type_name not in WIDGET_TYPES:
-            raise WorkflowError(f"{where}: {a.input!r} is a {spec.type_name} link input; --set only sets "
+            raise WorkflowError(f"{where}: {a.input!r} is a {spec.type_name} link input; {a.option} only sets "
                                 f"widget values (numbers, text, choices)")
         node.setdefault("inputs", {})[a.input] = coerce_value(spec, a.raw, where)
     return result
@@ -944,6 +1017,8 @@ class ComfyClient:
             return exc.code, exc.read()
         except (urllib.error.URLError, ConnectionError, socket.timeout, OSError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLError) and reason.reason in PLAIN_HTTP_TLS_ERRORS:
+                raise PlainHTTPAnswer(self.server, str(reason)) from None
             raise ServerUnreachable(self.server, str(reason)) from None
         except http.client.HTTPException as exc:     # something that does not speak HTTP answered
             raise NotComfyUI(self.server, f"the answer is not HTTP: {type(exc).__name__}: {exc}") from None
@@ -1018,17 +1093,26 @@ class ComfyClient:
     def history(self, prompt_id: str) -> dict | None:
         return self.get_json(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id)
 
+    def _queued(self, prompt_id: str, section: str) -> bool | None:
+        """Whether GET /queue lists ``prompt_id`` under ``section`` ("queue_pending" or "queue_running"); None when
+        the queue cannot be read."""
+        try:
+            return any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id
+                       for item in self.get_json("/queue").get(section, []))
+        except (LeversError, AttributeError, TypeError):
+            return None
+
     def cancel(self, prompt_id: str) -> str:
         """Stop ``prompt_id`` whether it still waits in ComfyUI's queue or runs (``/interrupt`` alone only stops a
         running prompt: a waiting one ran later anyway); returns what was done, for the message."""
-        try:
-            waiting = any(isinstance(item, list) and len(item) > 1 and item[1] == prompt_id
-                          for item in self.get_json("/queue").get("queue_pending", []))
-        except (LeversError, AttributeError):
-            waiting = None
-        self._request("POST", "/queue", {"delete": [prompt_id]})          # a waiting prompt: dropped, never runs
+        waiting = self._queued(prompt_id, "queue_pending")
+        status, _ = self._request("POST", "/queue", {"delete": [prompt_id]})   # a waiting prompt: dropped, never runs
+        # No /interrupt for a prompt taken out of the queue: builds before its prompt_id was honoured stop whatever
+        # runs, another client's prompt. Unless ours started between the two requests (the delete skips it then).
+        if waiting and status == 200 and not self._queued(prompt_id, "queue_running"):
+            return "took this prompt out of ComfyUI's queue before it started"
         self._request("POST", "/interrupt", {"prompt_id": prompt_id})     # a running one: stopped, no other prompt
-        return {True: "took this prompt out of ComfyUI's queue before it started",
+        return {True: "asked ComfyUI to stop this prompt (it started as it was being taken out of the queue)",
                 False: "asked ComfyUI to stop this prompt"}.get(
             waiting, "asked ComfyUI to drop this prompt from its queue, or stop it if it runs")
 
@@ -1036,7 +1120,7 @@ class ComfyClient:
         query = urllib.parse.urlencode({"filename": filename, "subfolder": subfolder, "type": kind})
         status, payload = self._request("GET", f"/view?{query}")
         if status != 200:
-            raise LeversError(f"GET /view {filename!r} answered HTTP {status}")
+            raise HTTPStatusError("GET /view", status, payload)
         return payload
 
     def ws_url(self, client_id: str) -> str:
@@ -1241,6 +1325,7 @@ def _needed_nodes(api: dict) -> set[str]:
 class RunResult:
     prompt_id: str
     # "success" | "partial" (ran, but ComfyUI skipped outputs that failed its validation: node_errors)
+    # | "incomplete" (ran, but some of its files could not be downloaded: download_errors)
     # | "error" | "interrupted" | "timeout"
     status: str
     files: list[str] = field(default_factory=list)
@@ -1248,6 +1333,7 @@ class RunResult:
     error: dict | None = None
     outputs: dict = field(default_factory=dict)
     node_errors: dict = field(default_factory=dict)              # ComfyUI's, for the outputs it skipped
+    download_errors: list[str] = field(default_factory=list)     # one line per file not saved into out_dir
 
 
 def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: float | None = None,
@@ -1274,7 +1360,7 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
                 done = client.cancel(prompt_id)
             except (ServerUnreachable, KeyboardInterrupt):
                 done = f"could not reach ComfyUI to stop prompt {prompt_id}: it may still run"
-            raise Interrupted(done) from None
+            raise Interrupted(done, prompt_id) from None
     finally:
         progress.finish()
         if ws is not None:
@@ -1282,17 +1368,29 @@ def run_prompt(client: ComfyClient, api: dict, *, out_dir: str | None, timeout: 
     result = RunResult(prompt_id=prompt_id, status=status, error=error, node_errors=node_errors)
     if status == "timeout":
         return result
-    entry = _final_history(client, prompt_id)
-    result.outputs = entry.get("outputs") or {}
-    if status == "success" and (entry.get("status") or {}).get("status_str") == "error":
-        status = result.status = "error"
-    if status == "success" and node_errors:
-        status = result.status = "partial"
-    if result.error is None and status != "success":
-        result.error = _error_from_history(entry)
-    result.reports = collect_reports(api, result.outputs)
-    if out_dir is not None:
-        result.files = download_outputs(client, result.outputs, out_dir)
+    try:
+        entry = _final_history(client, prompt_id)
+        result.outputs = entry.get("outputs") or {}
+        if status == "success" and (entry.get("status") or {}).get("status_str") == "error":
+            status = result.status = "error"
+        if status == "success" and node_errors:
+            status = result.status = "partial"
+        if result.error is None and status != "success":
+            result.error = _error_from_history(entry)
+        result.reports = collect_reports(api, result.outputs)
+        if out_dir is not None:
+            for path, problem in iter_downloads(client, result.outputs, out_dir):
+                if path is not None:
+                    result.files.append(path)
+                else:
+                    result.download_errors.append(problem)
+    except KeyboardInterrupt:
+        # the prompt is over on the server: there is nothing to cancel, only downloads to stop
+        saved = f"{len(result.files)} file(s) saved into {out_dir}" if out_dir is not None else "nothing downloaded"
+        raise Interrupted(f"prompt {prompt_id} had finished on the server; stopped its downloads with {saved}",
+                          prompt_id, result.files) from None
+    if status == "success" and result.download_errors:
+        result.status = "incomplete"
     return result
 
 
@@ -1410,11 +1508,34 @@ def collect_reports(api: dict, outputs: dict) -> dict[str, list[str]]:
     return dict(sorted(reports.items(), key=lambda kv: _id_sort_key(kv[0][1:].split(" ", 1)[0])))
 
 
+class DownloadFailed(LeversError, RuntimeError):
+    """Some files of a run could not be downloaded; ``saved`` are the ones that were, ``failed`` says why not."""
+
+    def __init__(self, saved: list[str], failed: list[str]):
+        self.saved, self.failed = saved, failed
+        super().__init__(f"could not download {len(failed)} of {len(failed) + len(saved)} file(s) (the others are "
+                         f"saved):\n" + "\n".join(f"  - {problem}" for problem in failed))
+
+
 def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[str]:
-    """Fetch every file the run produced (images, videos, latents, ...) through /view. Previews (PreviewImage and
-    the like, which ComfyUI writes to its temp folder) go into a ``preview/`` folder of their own, apart from the
-    outputs the workflow saves."""
-    saved = []
+    """Fetch every file the run produced into ``out_dir`` (see iter_downloads); returns the paths saved. A file that
+    fails does not stop the others: DownloadFailed comes after them, with what was saved."""
+    saved, failed = [], []
+    for path, problem in iter_downloads(client, outputs, out_dir):
+        if path is not None:
+            saved.append(path)
+        else:
+            failed.append(problem)
+    if failed:
+        raise DownloadFailed(saved, failed)
+    return saved
+
+
+def iter_downloads(client: ComfyClient, outputs: dict, out_dir: str) -> Iterator[tuple[str | None, str | None]]:
+    """Fetch every file the run produced (images, videos, latents, ...) through /view, yielding (path saved, None)
+    or (None, why not) per file. Previews (PreviewImage and the like, which ComfyUI writes to its temp folder) go
+    into a ``preview/`` folder of their own, apart from the outputs the workflow saves. Each file is written to a
+    temporary name beside it and renamed, so a Ctrl-C or a full disk never leaves a truncated one."""
     root = Path(out_dir)
     for ui in outputs.values():
         for value in (ui or {}).values():
@@ -1426,16 +1547,35 @@ def download_outputs(client: ComfyClient, outputs: dict, out_dir: str) -> list[s
                 name = os.path.basename(str(item["filename"]))
                 subfolder = str(item.get("subfolder") or "")
                 kind = str(item.get("type") or "output")
-                payload = client.view(str(item["filename"]), subfolder, kind)
+                label = f"{subfolder}/{name}" if subfolder else name
                 target = root / "preview" if kind == "temp" else root
                 folder = target / subfolder if subfolder else target
                 if not folder.resolve().is_relative_to(target.resolve()):
                     folder = target          # a subfolder the server names must not lead out of --out
-                folder.mkdir(parents=True, exist_ok=True)
-                path = _unique_path(folder / name)
-                path.write_bytes(payload)
-                saved.append(str(path))
-    return saved
+                try:
+                    payload = client.view(str(item["filename"]), subfolder, kind)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    saved, problem = str(_write_whole(_unique_path(folder / name), payload)), None
+                except ServerUnreachable as exc:
+                    saved, problem = None, f"could not download {label}: ComfyUI stopped answering ({exc.reason})"
+                except LeversError as exc:
+                    saved, problem = None, f"could not download {label} ({exc})"
+                except OSError as exc:
+                    saved, problem = None, f"could not save {label} into {folder}: {exc.strerror or exc}"
+                yield saved, problem
+
+
+def _write_whole(path: Path, payload: bytes) -> Path:
+    """Write ``payload`` to ``path`` whole or not at all: into a hidden temporary file beside it, then renamed."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:            # a Ctrl-C as well as a full disk: no partial file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _unique_path(path: Path) -> Path:
@@ -1552,8 +1692,10 @@ def load_workflow(path: Path) -> dict:
     return data
 
 
-def prepare_prompt(workflow: dict, object_info: dict, sets: Iterable[str] = (), validate: bool = True) -> dict:
-    """UI or API workflow + --set assignments -> a checked API prompt; raises WorkflowError."""
+def prepare_prompt(workflow: dict, object_info: dict, sets: Iterable[str] = (), validate: bool = True,
+                   inputs: Iterable[Assignment] = ()) -> dict:
+    """UI or API workflow + --set assignments + --input files (set to the file's name) -> a checked API prompt;
+    raises WorkflowError."""
     if is_ui_format(workflow):
         try:
             api = ui_to_api(workflow, object_info)
@@ -1565,8 +1707,10 @@ def prepare_prompt(workflow: dict, object_info: dict, sets: Iterable[str] = (), 
                                 f"ComfyUI or export it with Workflow > Export (API)") from None
     else:
         api = json.loads(json.dumps(workflow))
+        require_api_shape(api)
     api = normalize_links(api)
-    api = apply_sets(api, [parse_set(s) for s in sets], object_info)
+    files = [Assignment(a.node, a.input, os.path.basename(a.raw), a.option) for a in inputs]
+    api = apply_sets(api, [*(parse_set(s) for s in sets), *files], object_info)
     if validate:
         problems = validate_api(api, object_info)
         if problems:
@@ -1653,16 +1797,25 @@ def run(args) -> int:
         uploads = [parse_input(text) for text in args.inputs]
         if not workflow:
             raise WorkflowError(validate_api(workflow, {})[0])
+        if not is_ui_format(workflow):
+            require_api_shape(workflow)
         # an API prompt printed unchecked and unchanged needs nothing from the server (a UI file, a check, --set and
         # --input read its node list)
         offline = args.dry_run and args.no_validate and not is_ui_format(workflow) and not args.sets and not uploads
         object_info = {} if offline else client.object_info()
-        sets = [*args.sets, *(f"{a.node}.{a.input}={os.path.basename(a.raw)}" for a in uploads)]
-        api = prepare_prompt(workflow, with_uploads(object_info, uploads), sets, validate=not args.no_validate)
+        api = prepare_prompt(workflow, with_uploads(object_info, uploads), args.sets, validate=not args.no_validate,
+                             inputs=uploads)
         if not args.dry_run:
             for a in uploads:         # only now that the prompt passed: a rejected one leaves no file behind
-                filed = client.upload_input(a.raw)
-                api[find_node(api, a.node)]["inputs"][a.input] = filed
+                try:
+                    filed = client.upload_input(a.raw)
+                except ServerUnreachable:
+                    raise
+                except OSError as exc:        # the file changed since parse_input opened it
+                    raise WorkflowError(_unreadable_input(a, exc) + "; nothing was submitted") from None
+                api[find_node(api, a.node, a.option)]["inputs"][a.input] = filed
+    except KeyboardInterrupt as exc:
+        return _interrupted(args, err, exc)
     except BadServerURL as exc:
         return _fail(args, err, "invalid", exc, EXIT_INVALID)
     except ServerUnreachable as exc:
@@ -1683,24 +1836,32 @@ def run(args) -> int:
     except ServerUnreachable as exc:
         return _fail(args, err, "unreachable", f"lost the server during the run: {exc}", EXIT_UNREACHABLE)
     except KeyboardInterrupt as exc:
-        done = exc.done if isinstance(exc, Interrupted) else "nothing was submitted"
-        print(f"\ninterrupted: {done}", file=err)
-        _json_error(args, "interrupted", done)
-        return EXIT_INTERRUPTED
+        return _interrupted(args, err, exc)
     except LeversError as exc:
         return _fail(args, err, "error", exc, EXIT_FAILED)
-    except OSError as exc:       # saving the downloads (the prompt ran on the server)
-        return _fail(args, err, "error", f"the prompt ran but its outputs could not be saved into {args.out}: {exc}",
-                     EXIT_FAILED)
     _print_result(result, args, err, api)
     return {"success": EXIT_OK, "timeout": EXIT_TIMEOUT}.get(result.status, EXIT_FAILED)
 
 
-def _json_error(args, status: str, message) -> None:
+def _interrupted(args, err, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C: what became of the prompt (nothing was submitted unless ``exc`` is an Interrupted saying otherwise)
+    and the files saved by then."""
+    if isinstance(exc, Interrupted):
+        done, prompt_id, files = exc.done, exc.prompt_id, exc.files
+    else:
+        done, prompt_id, files = "nothing was submitted", None, []
+    print(f"\ninterrupted: {done}", file=err)
+    for path in files:
+        print(f"  {path}", file=err)
+    _json_error(args, "interrupted", done, prompt_id, files)
+    return EXIT_INTERRUPTED
+
+
+def _json_error(args, status: str, message, prompt_id: str | None = None, files: Iterable[str] = ()) -> None:
     """With --json, a run that ends before a result still prints a JSON object on stdout, for scripts."""
     if getattr(args, "json_summary", False):
-        print(json.dumps({"prompt_id": None, "status": status, "files": [], "reports": {}, "error": str(message),
-                          "node_errors": {}}, indent=2))
+        print(json.dumps({"prompt_id": prompt_id, "status": status, "files": list(files), "reports": {},
+                          "error": str(message), "node_errors": {}, "download_errors": []}, indent=2))
 
 
 def _fail(args, err, status: str, message, code: int) -> int:
@@ -1724,15 +1885,16 @@ def _print_result(result: RunResult, args, err, api: dict | None = None) -> None
               f"ran):", file=err)
         for line in format_node_errors(result.node_errors, api or {}):
             print(line, file=err)
-        if result.files:
-            print(f"saved {len(result.files)} file(s) from the outputs that ran into {args.out}", file=err)
-            for path in result.files:
-                print(f"  {path}", file=err)
+        _print_downloads(result, args, err)
+    elif result.status == "incomplete":
+        print(f"error: prompt {result.prompt_id} ran, but not all of its files could be downloaded:", file=err)
+        _print_downloads(result, args, err)
     elif result.status != "success":
         print(f"error: {format_execution_error(result.error, result.status)}", file=err)
         tb = (result.error or {}).get("traceback")
         if tb and not args.quiet:
             print("".join(tb[-3:]).rstrip(), file=err)
+        _print_downloads(result, args, err)
     elif not args.quiet:
         where = f" into {args.out}" if result.files else ""
         print(f"done: prompt {result.prompt_id}, {len(result.files)} file(s) saved{where}", file=err)
@@ -1740,5 +1902,15 @@ def _print_result(result: RunResult, args, err, api: dict | None = None) -> None
             print(f"  {path}", file=err)
     if args.json_summary:
         print(json.dumps({"prompt_id": result.prompt_id, "status": result.status, "files": result.files,
-                          "reports": result.reports, "error": result.error, "node_errors": result.node_errors},
-                         indent=2, default=str))
+                          "reports": result.reports, "error": result.error, "node_errors": result.node_errors,
+                          "download_errors": result.download_errors}, indent=2, default=str))
+
+
+def _print_downloads(result: RunResult, args, err) -> None:
+    """After an error line: the files that could not be downloaded, then those saved from the outputs that ran."""
+    for problem in result.download_errors:
+        print(f"  - {problem}", file=err)
+    if result.files:
+        print(f"saved {len(result.files)} file(s) from the outputs that ran into {args.out}", file=err)
+        for path in result.files:
+            print(f"  {path}", file=err)

@@ -385,7 +385,8 @@ def test_websocket_reassembles_fragments_answers_pings_and_reads_long_frames():
 # ---------------------------------------------------------------------------------------------
 
 class FakeComfy:
-    """Scripted ComfyUI: behaviour per test via ``mode`` ("ok", "error", "reject", "hang")."""
+    """Scripted ComfyUI: behaviour per test via ``mode`` ("ok", "error", "reject", "hang": queued and never started,
+    "busy": started and never ending)."""
 
     def __init__(self, object_info, websocket=True):
         self.object_info = object_info
@@ -402,6 +403,9 @@ class FakeComfy:
         self.taken: set[str] = set()        # input/ files already there with other content
         self.deletes: list[dict] = []       # POST /queue bodies
         self.pending: list[str] = []        # prompts queued and not started ("hang" mode)
+        self.running: list[str] = []        # prompts started and not ended ("busy" mode)
+        self.start_on_delete = False        # a pending prompt starts just before a POST /queue delete arrives
+        self.unavailable: set[str] = set()  # file names /view answers 404 for
         self.clients: dict[str, queue.Queue] = {}
         self.ws_connected = threading.Event()
         self.register_delay = 0.0     # seconds between the handshake and filing the socket (ComfyUI has a gap too)
@@ -493,14 +497,14 @@ class FakeComfy:
                 if url.path == "/object_info":
                     return self._json(fake.object_info)
                 if url.path == "/queue":
-                    return self._json({"queue_running": [], "queue_pending": [[i, pid, {}, {}, []] for i, pid in
-                                                                             enumerate(fake.pending)]})
+                    return self._json({"queue_running": [[0, pid, {}, {}, []] for pid in fake.running],
+                                       "queue_pending": [[i, pid, {}, {}, []] for i, pid in enumerate(fake.pending)]})
                 if url.path.startswith("/history/"):
                     pid = url.path.rsplit("/", 1)[1]
                     return self._json({pid: fake.history[pid]} if pid in fake.history else {})
                 if url.path == "/view":
                     key = (query["filename"][0], query.get("subfolder", [""])[0], query["type"][0])
-                    if key not in fake.files:
+                    if key not in fake.files or key[0] in fake.unavailable:
                         return self._json({"error": "no such file"}, 404)
                     body = fake.files[key]
                     self.send_response(200)
@@ -559,6 +563,9 @@ class FakeComfy:
                     fake.interrupts.append(body)
                     return self._json({})
                 if self.path == "/queue":
+                    if fake.start_on_delete:
+                        fake.running += fake.pending
+                        fake.pending = []
                     fake.deletes.append(body)
                     fake.pending = [p for p in fake.pending if p not in body.get("delete", [])]
                     return self._json({})
@@ -576,11 +583,13 @@ class FakeComfy:
                 skipped = set(fake.node_errors) | {o for e in fake.node_errors.values()
                                                    for o in e.get("dependent_outputs", [])}
                 runnable = {k: v for k, v in body["prompt"].items() if k not in skipped}
-                if fake.mode != "hang":
+                if fake.mode == "hang":
+                    fake.pending.append(pid)
+                elif fake.mode == "busy":
+                    fake.running.append(pid)
+                else:
                     threading.Thread(target=fake.execute, args=(pid, runnable, body.get("client_id")),
                                      daemon=True).start()
-                else:
-                    fake.pending.append(pid)
                 return self._json({"prompt_id": pid, "number": len(fake.prompts), "node_errors": fake.node_errors})
 
         return Handler
@@ -1014,7 +1023,9 @@ def test_links_with_a_numeric_node_id_are_sent_as_comfyui_takes_them(tmp_path, c
 
 def test_ctrl_c_on_a_prompt_still_in_the_queue_takes_it_out(api_file, capsys):
     """Found in review: Ctrl-C sent only POST /interrupt, which ComfyUI applies to the running prompt: a prompt still
-    waiting behind another one ran later anyway, and the message said it had been stopped."""
+    waiting behind another one ran later anyway, and the message said it had been stopped. A second review: once
+    the delete took it out, /interrupt is not sent either (builds that ignore its prompt_id stopped another client's
+    running prompt), and --json names the prompt (its prompt_id was null)."""
     import _thread
 
     with FakeComfy(MINI_OI) as fake:
@@ -1029,10 +1040,11 @@ def test_ctrl_c_on_a_prompt_still_in_the_queue_takes_it_out(api_file, capsys):
         rc = _cli(["run", str(api_file), "--server", fake.url, "--json"])
         (pid,) = [d["delete"][0] for d in fake.deletes]
     assert rc == C.EXIT_INTERRUPTED and fake.pending == []
-    assert fake.interrupts == [{"prompt_id": pid}]        # and a running one would be stopped (that one only)
+    assert fake.interrupts == []
     out = capsys.readouterr()
     assert "took this prompt out of ComfyUI's queue before it started" in out.err
-    assert json.loads(out.out)["status"] == "interrupted"
+    summary = json.loads(out.out)
+    assert summary["status"] == "interrupted" and summary["prompt_id"] == pid
 
 
 def test_a_web_server_that_is_not_comfyui_is_unreachable_not_a_failed_prompt(api_file, capsys):
@@ -1145,3 +1157,256 @@ def test_previews_are_downloaded_apart_from_the_saved_outputs(tmp_path):
     assert saved == sorted([str(tmp_path / "ComfyUI_00001_.png"),
                             str(tmp_path / "preview" / "ComfyUI_temp_abcd_00001_.png")])
     assert (tmp_path / "preview" / "ComfyUI_temp_abcd_00001_.png").read_bytes() == b"temp:/ComfyUI_temp_abcd_00001_.png"
+
+
+# ---------------------------------------------------------------------------------------------
+# Found in review of `levers run`: malformed nodes under --no-validate, Ctrl-C around the run, unreadable --input
+# files, failed downloads, Ctrl-C and /interrupt, and two messages
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("api, needle", [
+    ({"1": {"class_type": "SaveLatent", "inputs": ["x"]}}, "node 1 (SaveLatent): 'inputs' is ['x'], not an object"),
+    ({"1": 5}, "node 1 is 5, not a node object"),
+    ({"1": {"inputs": {}}}, "node 1 has no 'class_type'"),
+    ({"1": {"class_type": "SaveLatent", "inputs": {}, "_meta": "x"}}, "node 1 (SaveLatent): '_meta' is 'x'"),
+])
+def test_no_validate_still_refuses_a_node_that_is_not_a_node_object(api, needle, tmp_path, capsys):
+    """--no-validate skipped every check, and the progress display read each node as an object with an inputs
+    object: AttributeError tracebacks ('list' object has no attribute 'values', 'int' object has no attribute 'get')
+    with the prompt about to be sent. Checked before the server is asked, as the form of a --set is."""
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(api))
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(path), "--server", fake.url, "--out", str(tmp_path / "o"), "--no-validate", "--json"])
+    assert rc == C.EXIT_INVALID and fake.prompts == []
+    out = capsys.readouterr()
+    assert needle in out.err and "Export (API)" in out.err, out.err
+    assert json.loads(out.out)["status"] == "invalid"
+    # it needs no server: invalid input, not "cannot reach ComfyUI"
+    assert _cli(["run", str(path), "--server", "http://127.0.0.1:1", "--no-validate"]) == C.EXIT_INVALID
+    assert needle in capsys.readouterr().err
+
+
+def _two_outputs_file(tmp_path):
+    """The api_file prompt with a second SaveLatent: two files to download (x_00001_.latent, y_00001_.latent)."""
+    api = _valid_api()
+    api["5"] = {"class_type": "LeversRecommend", "inputs": {"width": 1024, "model": ["1", 0]},
+                "_meta": {"title": "Recommend"}}
+    api["6"] = {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "y"}}
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(api))
+    return path
+
+
+def test_ctrl_c_while_downloading_says_the_prompt_finished_and_what_was_saved(tmp_path, capsys, monkeypatch):
+    """Only submitting and following the prompt handled Ctrl-C: during the downloads it said "nothing was submitted"
+    (the prompt had run), and --json gave no prompt id and no files."""
+    real = C.ComfyClient.view
+    calls = []
+
+    def second_view_ctrl_c(self, *a):
+        calls.append(a)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a)
+    monkeypatch.setattr(C.ComfyClient, "view", second_view_ctrl_c)
+    out = tmp_path / "out"
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(_two_outputs_file(tmp_path)), "--server", fake.url, "--out", str(out), "--json"])
+        pid = fake.prompts[0]["prompt_id"]
+    assert rc == C.EXIT_INTERRUPTED
+    assert fake.deletes == [] and fake.interrupts == []          # nothing left to stop on the server
+    captured = capsys.readouterr()
+    assert f"prompt {pid} had finished on the server; stopped its downloads with 1 file(s) saved" in captured.err
+    assert "nothing was submitted" not in captured.err
+    summary = json.loads(captured.out)
+    assert summary["status"] == "interrupted" and summary["prompt_id"] == pid
+    assert summary["files"] == [str(out / "x_00001_.latent")] and (out / "x_00001_.latent").is_file()
+
+
+def test_ctrl_c_before_anything_is_submitted_still_prints_json(api_file, capsys, monkeypatch):
+    """The README promises a JSON summary when the run ends before a result; a Ctrl-C while the server's node list
+    was read printed a traceback and nothing on stdout."""
+    def ctrl_c(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C.ComfyClient, "object_info", ctrl_c)
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(api_file), "--server", fake.url, "--json"])
+    assert rc == C.EXIT_INTERRUPTED and fake.prompts == []
+    out = capsys.readouterr()
+    assert "interrupted: nothing was submitted" in out.err
+    summary = json.loads(out.out)
+    assert summary["status"] == "interrupted" and summary["error"] == "nothing was submitted"
+    assert summary["prompt_id"] is None
+
+
+def _edit_workflow(tmp_path):
+    """A LoadImage feeding nothing beside an EmptyLatent -> SaveLatent: a prompt an --input can go into."""
+    api = {"1": {"class_type": "LoadImage", "inputs": {"image": "a.png"}},
+           "2": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "x"}},
+           "3": {"class_type": "EmptyLatent", "inputs": {"width": 64, "height": 64}}}
+    path = tmp_path / "edit.json"
+    path.write_text(json.dumps(api))
+    return path
+
+
+@pytest.mark.parametrize("when", ["from the start", "after the checks"])
+def test_an_unreadable_input_file_is_named_with_the_fix(when, tmp_path, capsys, monkeypatch):
+    """--input checked only that the file exists: one that cannot be opened (permissions) ended in a PermissionError
+    traceback from the upload. parse_input opens it; a file that turns unreadable before the upload is named too.
+    (Tests may run as root, where chmod 000 still reads: open() itself is made to refuse.)"""
+    import builtins
+
+    photo = tmp_path / "cat.png"
+    photo.write_bytes(b"\x89PNG fake bytes")
+    locked = when == "from the start"
+    real_open, real_info = builtins.open, C.ComfyClient.object_info
+
+    def guarded_open(file, *a, **k):
+        if locked and str(file) == str(photo):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    def info_then_lock(self):
+        nonlocal locked
+        answer = real_info(self)
+        locked = True
+        return answer
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(C.ComfyClient, "object_info", info_then_lock)
+    wf = _edit_workflow(tmp_path)
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(wf), "--server", fake.url, "--out", str(tmp_path / "out"),
+                   "--input", f"LoadImage.image={photo}", "--json"])
+    assert rc == C.EXIT_INVALID and fake.uploads == [] and fake.prompts == []
+    out = capsys.readouterr()
+    assert f"--input LoadImage.image={photo}: cannot read {photo}: Permission denied" in out.err, out.err
+    assert "check its permissions" in out.err and json.loads(out.out)["status"] == "invalid"
+
+
+def test_a_failed_download_keeps_the_other_files_and_the_reports(tmp_path, capsys):
+    """The first /view that failed ended the run: the files saved before it were not listed, the ones after it not
+    fetched, the Levers reports not printed, and --json said files []. The other files are saved and listed now,
+    with each failure named, and the run exits 1 as before."""
+    out = tmp_path / "out"
+    with FakeComfy(MINI_OI) as fake:
+        fake.unavailable = {"x_00001_.latent"}            # the first of the two outputs
+        rc = _cli(["run", str(_two_outputs_file(tmp_path)), "--server", fake.url, "--out", str(out), "--json"])
+    assert rc == C.EXIT_FAILED
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["status"] == "incomplete" and summary["files"] == [str(out / "y_00001_.latent")]
+    assert (out / "y_00001_.latent").read_bytes() == b"LATENT:y_00001_.latent"
+    (problem,) = summary["download_errors"]
+    assert problem.startswith("could not download x_00001_.latent (GET /view answered HTTP 404"), problem
+    assert list(summary["reports"]) == ["#5 Recommend"] and "Levers report: #5 Recommend" in captured.err
+    assert "not all of its files could be downloaded" in captured.err and f"  - {problem}" in captured.err
+    assert str(out / "y_00001_.latent") in captured.err
+
+
+def test_a_download_stopped_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A download was written straight to its final name: a Ctrl-C (or a full disk) mid-write left a truncated image
+    there. Each file is written to a temporary name and renamed once whole."""
+    import builtins
+    import io
+
+    class HalfThenCtrlC:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(bytes(data[:len(data) // 2]))
+            self.f.flush()
+            raise KeyboardInterrupt
+
+    real_open = io.open
+    out = tmp_path / "out"
+
+    def interrupting_open(file, mode="r", *a, **k):
+        f = real_open(file, mode, *a, **k)
+        writing = isinstance(file, (str, Path)) and Path(file).parent == out and set(mode) & set("wx")
+        return HalfThenCtrlC(f) if writing else f
+    monkeypatch.setattr(io, "open", interrupting_open)        # pathlib's open
+    monkeypatch.setattr(builtins, "open", interrupting_open)
+
+    class Viewer:
+        def view(self, filename, subfolder, kind):
+            return b"x" * 1000
+
+    with pytest.raises(KeyboardInterrupt):
+        C.download_outputs(Viewer(), {"9": {"images": [{"filename": "a.png", "subfolder": "", "type": "output"}]}},
+                           str(out))
+    assert list(out.iterdir()) == []
+
+
+def test_download_outputs_tries_every_file_and_names_those_saved_and_those_not(tmp_path):
+    class Viewer:
+        def view(self, filename, subfolder, kind):
+            if filename == "a.png":
+                raise C.HTTPStatusError("GET /view", 404, b'{"error": "no such file"}')
+            return b"b"
+
+    outputs = {"9": {"images": [{"filename": "a.png", "subfolder": "", "type": "output"},
+                                {"filename": "b.png", "subfolder": "", "type": "output"}]}}
+    with pytest.raises(C.DownloadFailed) as exc:
+        C.download_outputs(Viewer(), outputs, str(tmp_path))
+    assert exc.value.saved == [str(tmp_path / "b.png")] and (tmp_path / "b.png").read_bytes() == b"b"
+    assert exc.value.failed == ['could not download a.png (GET /view answered HTTP 404: {"error": "no such file"})']
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["running", "started while taken out of the queue"])
+def test_ctrl_c_still_interrupts_a_prompt_that_runs(race, api_file, capsys):
+    """/interrupt is skipped only for a prompt the delete took out of the queue: a running one is stopped, and so is
+    one that started between reading the queue and the delete (the delete leaves a running prompt alone)."""
+    import _thread
+
+    with FakeComfy(MINI_OI) as fake:
+        fake.mode = "hang" if race else "busy"
+        fake.start_on_delete = race
+
+        def interrupt_once_there():
+            deadline = time.monotonic() + 10
+            while not (fake.pending or fake.running) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            _thread.interrupt_main()
+        threading.Thread(target=interrupt_once_there, daemon=True).start()
+        rc = _cli(["run", str(api_file), "--server", fake.url])
+        pid = fake.prompts[0]["prompt_id"]
+    assert rc == C.EXIT_INTERRUPTED and fake.interrupts == [{"prompt_id": pid}]
+    assert "asked ComfyUI to stop this prompt" in capsys.readouterr().err
+
+
+def test_https_to_a_plain_http_comfyui_says_to_use_http(api_file, capsys):
+    """https:// to ComfyUI's plain HTTP port said "cannot reach ComfyUI ... Start it" (TLS failed with
+    WRONG_VERSION_NUMBER on the server's plain answer): it is running, at http://."""
+    with FakeComfy(MINI_OI) as fake:
+        https = fake.url.replace("http://", "https://")
+        rc = _cli(["run", str(api_file), "--server", https, "--dry-run"])
+    assert rc == C.EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert f"the server at {https} answered plain HTTP, not HTTPS" in err and f"Use {fake.url} in --server" in err
+    assert "Start it" not in err
+
+
+@pytest.mark.parametrize("given, needle", [
+    ("LoadImage.imagex={photo}", "--input LoadImage.imagex: node 1 (LoadImage) has no input 'imagex'"),
+    ("Nope.image={photo}", "--input: no node 'Nope' in the workflow"),
+    ("{photo}", "expected NODE.INPUT=FILE, e.g. --input LoadImage.image="),
+])
+def test_input_mistakes_name_the_input_option(given, needle, tmp_path, capsys):
+    """An --input aimed at a missing input or node was reported as a --set (`--set LoadImage.imagex: ...`), and a
+    malformed one asked for NODE.INPUT=VALUE."""
+    photo = tmp_path / "cat.png"
+    photo.write_bytes(b"\x89PNG fake bytes")
+    wf = _edit_workflow(tmp_path)
+    with FakeComfy(MINI_OI) as fake:
+        rc = _cli(["run", str(wf), "--server", fake.url, "--input", given.format(photo=photo)])
+    assert rc == C.EXIT_INVALID and fake.uploads == []
+    err = capsys.readouterr().err
+    assert needle in err and "--set" not in err, err
