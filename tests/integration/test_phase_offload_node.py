@@ -172,8 +172,8 @@ def test_partially_unload_keeps_comfyuis_accounting(comfy_env, tiny_wan):
     assert torch.equal(tiny_wan.sample(m)["samples"], ref)
 
 
-def test_lora_patched_weights_stay_correct(comfy_env, tiny_wan):
-    model = tiny_wan.load_model()
+def _lora_case(tiny_wan, model):
+    """(key, delta, plain output, output with the delta on key) for a LoRA-style patch on one block weight."""
     plain = tiny_wan.sample(model)["samples"]
     sd = model.model.diffusion_model.state_dict()
     key = next(k for k in sd if k.startswith("blocks.1.") and k.endswith("weight") and sd[k].ndim == 2)
@@ -182,6 +182,12 @@ def test_lora_patched_weights_stay_correct(comfy_env, tiny_wan):
     lora_plain.add_patches({f"diffusion_model.{key}": (delta,)}, 1.0)
     want = tiny_wan.sample(lora_plain)["samples"]
     assert not torch.equal(want, plain), "the patch must change the output for this test to mean anything"
+    return key, delta, plain, want
+
+
+def test_lora_patched_weights_stay_correct(comfy_env, tiny_wan):
+    model = tiny_wan.load_model()
+    key, delta, plain, want = _lora_case(tiny_wan, model)
     comfy_env.mm.unload_all_models()
     m, _, _, _ = _run_node(comfy_env, _host_offload(model))
     lora = m.clone()                                    # a LoRA loader downstream of the node
@@ -1166,13 +1172,7 @@ def test_a_load_that_runs_out_of_memory_part_way_with_a_lora_loses_nothing(comfy
     moves the weights back and the run fails. Every weight is back on its master, the masters never took the
     patch, and the next run (and the model without the LoRA) gives the outputs of the plain workflow."""
     model = tiny_wan.load_model()
-    plain = tiny_wan.sample(model)["samples"]
-    sd = model.model.diffusion_model.state_dict()
-    key = next(k for k in sd if k.startswith("blocks.1.") and k.endswith("weight") and sd[k].ndim == 2)
-    delta = torch.randn(sd[key].shape, generator=torch.Generator().manual_seed(3)) * 0.05
-    lora_plain = model.clone()
-    lora_plain.add_patches({f"diffusion_model.{key}": (delta,)}, 1.0)
-    want = tiny_wan.sample(lora_plain)["samples"]
+    key, delta, plain, want = _lora_case(tiny_wan, model)
     comfy_env.mm.unload_all_models()
     m, _, _, _ = _run_node(comfy_env, _host_offload(model))
     lora = m.clone()
