@@ -485,6 +485,12 @@ def wan22_vae(comfy_env):
     return vae
 
 
+def _kept_output(vae, frame_px: int, frames: int) -> int:
+    """The finished frames a chunked decode keeps beside its chunks when ComfyUI's output device is the decode's
+    (here, the CPU: both), float32 RGB: what the planner adds to a chunk's peak."""
+    return frame_px * frames * 3 * 4 if torch.device(vae.output_device).type == torch.device(vae.device).type else 0
+
+
 def test_wan22_budget_forces_exact_temporal_chunks(comfy_env, wan22_vae):
     """A budget between one chunk's peak and the whole video's (from the node's own measurement)."""
     from comfyui_levers.bridge.vae import describe_vae, measure_cost
@@ -494,7 +500,8 @@ def test_wan22_budget_forces_exact_temporal_chunks(comfy_env, wan22_vae):
     cost, _, _ = measure_cost(wan22_vae, staged, z)
     frame_px = 4 * 6 * 16 * 16
     whole = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * 9
-    chunk = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * 4
+    chunk = (cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * 4
+             + _kept_output(wan22_vae, frame_px, 9))
     latent = {"samples": z}
     ref = comfy_env.nodes.VAEDecode().decode(wan22_vae, latent)[0]
     ours, report = run_node(comfy_env, latent, wan22_vae, memory_budget_gb=(whole + chunk) / 2 / 2 ** 30)
@@ -780,7 +787,8 @@ def test_hunyuan15_budget_between_a_chunk_and_the_whole_video_picks_its_own_chun
     cost, _, _ = measure_cost(hunyuan15_vae, staged, z)
     frame_px, n_out = 4 * 6 * 16 * 16, 33
     whole = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * n_out
-    chunk = cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * (n_out / 9) * 2
+    chunk = (cost.whole_bytes_per_px * frame_px + cost.output_bytes_per_px * frame_px * (n_out / 9) * 2
+             + _kept_output(hunyuan15_vae, frame_px, n_out))
     latent = {"samples": z}
     ref = comfy_env.nodes.VAEDecode().decode(hunyuan15_vae, latent)[0]
     ours, report = run_node(comfy_env, latent, hunyuan15_vae, memory_budget_gb=(whole + chunk) / 2 / 2 ** 30)
