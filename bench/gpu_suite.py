@@ -947,6 +947,12 @@ class Suite:
                     break
                 except RuntimeError:
                     time.sleep(0.05)
+                except (TypeError, ValueError) as exc:
+                    # a key JSON cannot take (a tuple, a dtype) in some case's record: written with its keys as
+                    # text rather than stopping the suite from the section's finally
+                    self.results["save_error"] = short_exc(exc)
+                    text = json.dumps(_text_keys(self.results), indent=2, default=_json_default)
+                    break
             else:
                 return
             tmp = self.out / "suite.json.tmp"
@@ -1017,6 +1023,15 @@ def _json_default(o):
     if isinstance(o, (set, tuple)):
         return list(o)
     return repr(o)
+
+
+def _text_keys(o: Any) -> Any:
+    """``o`` with every dict key made a string (JSON takes no other), recursively."""
+    if isinstance(o, dict):
+        return {k if isinstance(k, str) else repr(k): _text_keys(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_text_keys(v) for v in o]
+    return o
 
 
 def watchdog(suite: Suite, hard_limit_s: float) -> None:

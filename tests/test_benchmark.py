@@ -343,6 +343,18 @@ def test_the_dit_section_leaves_the_later_sections_what_they_take_not_their_caps
     assert left_for_suite - 3 - held >= 100          # dit gets its build and the streaming cases
 
 
+def test_a_record_json_cannot_take_is_saved_with_its_keys_as_text(tmp_path):
+    """A case record with a key JSON refuses (a tuple) raised TypeError out of save(), which runs in each
+    section's finally: the whole GPU run would stop there. It is written with the keys as text."""
+    gs = _load_suite()
+    suite = gs.Suite(gs.parse_args(["--cpu", "--out", str(tmp_path), "--sections", "recommend"]))
+    suite.results["sections"]["dit"] = {"cases": {("flux", 12): {"s_per_step": 1.5}}}
+    suite.save()
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert saved["sections"]["dit"]["cases"] == {"('flux', 12)": {"s_per_step": 1.5}}
+    assert "keys must be" in saved["save_error"]
+
+
 def test_bench_out_is_written_whole_or_not_at_all(monkeypatch, capsys, tmp_path):
     """A disk that fills up while --out is written: it left a truncated (or 0-byte) file, and emptied the file an
     earlier run had written there. The earlier file stays; no temp file is left; exit 1."""
