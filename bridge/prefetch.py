@@ -142,6 +142,30 @@ def _layout_need(block_bytes: list[int], other_bytes: int, k: int, cfg: Prefetch
                + _staging(widest, cfg))
 
 
+def streamable_bytes(root: nn.Module, blocks) -> list[int]:
+    """Per block, the bytes that can stream: its tensors no other block and no module outside the blocks holds.
+    The engine keeps those on the device whether their block streams or not (a tied or shared weight is in use
+    while its block is not running), so they count with the resident part, once; per-block sizes counted them in
+    every block that holds them and left them out of the resident part, and the engine then ran out of its
+    budget after ComfyUI had loaded the model."""
+    owners: dict[int, int] = {}
+    for _, m in blocks:
+        for t in {id(t): t for t in [*m.parameters(), *m.buffers()]}.values():
+            owners[id(t)] = owners.get(id(t), 0) + 1
+    kept = held_outside(root, blocks) | {i for i, n in owners.items() if n > 1}
+    out = []
+    for _, m in blocks:
+        own = {id(t): t for t in [*m.parameters(), *m.buffers()] if id(t) not in kept}
+        out.append(sum(tensor_nbytes(t) for t in own.values()))
+    return out
+
+
+def _unique_bytes(blocks, exclude: frozenset[int] = frozenset()) -> int:
+    """Bytes of the tensors of ``blocks`` ((name, module) pairs), each once, less those in ``exclude`` (ids)."""
+    seen = {id(t): t for _, m in blocks for t in [*m.parameters(), *m.buffers()] if id(t) not in exclude}
+    return sum(tensor_nbytes(t) for t in seen.values())
+
+
 def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig,
                      n_dtypes: int = 1, block_tensors: list[int] | None = None) -> int:
     """How many leading blocks ComfyUI keeps loaded: the most that leave room for the slots (blocks in
@@ -152,8 +176,8 @@ def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cf
     if cfg.resident_groups != AUTO:
         k = min(n, cfg.resident_groups * g)
         # streamed groups that would each keep one of the d + 1 slots move nothing, on more memory than the
-        # blocks take loaded: ComfyUI loads them instead
-        return n if slots_hold_all(n - k, g, d) else k
+        # blocks take loaded: ComfyUI loads them instead, where the whole model fits the budget
+        return n if slots_hold_all(n - k, g, d) and other_bytes + sum(block_bytes) <= budget else k
     for k in range(n, -1, -1):
         if _layout_need(block_bytes, other_bytes, k, cfg, n_dtypes, block_tensors) <= budget:
             return k
@@ -332,7 +356,7 @@ class _Session:
         self.skip_reason: str | None = None
         self.root = _diffusion_model(patcher)
         self.layout: BlockLayout = find_blocks(self.root)
-        sizes = [module_bytes(m) for _, m in self.layout.blocks]
+        sizes = streamable_bytes(self.root, self.layout.blocks)
         total = module_bytes(self.root)
         other = total - sum(sizes)
         # the models ComfyUI loads with this one for this run (ControlNets, GLIGEN, model patches): never asked to
@@ -351,7 +375,7 @@ class _Session:
                    for _, b in self.layout.blocks]
         n_dtypes = len({x.dtype for xs in streams for x in xs})
         block_tensors = [len(xs) for xs in streams]
-        self.sizes = sizes
+        self.sizes, self.other, self.n_dtypes, self.block_tensors = sizes, other, n_dtypes, block_tensors
         self.split: SplitLayout | None = None
         self._use(_resident_blocks(sizes, other, self.budget, cfg, n_dtypes, block_tensors), None)
         split_ok = cfg.partial_blocks and cfg.resident_groups == AUTO and cfg.blocks_per_group in (AUTO, 1)
@@ -376,6 +400,22 @@ class _Session:
             self._keep_built(other, cfg, n_dtypes, block_tensors, split_ok, depth)
         self._saved: dict[str, Any] = {}
         self.unloaded_stale: str | None = None
+
+    def resident_groups_line(self) -> str:
+        """When ``resident_groups`` set on the node is why the least layout does not fit: which value does ('' when
+        it is on auto, or no value fits)."""
+        cfg = self.state.request.config
+        if cfg.resident_groups == AUTO or not self.too_small:
+            return ""
+        g = cfg.blocks_per_group if cfg.blocks_per_group != AUTO else 1
+        fits = [r for r in range(cfg.resident_groups - 1, -1, -1)
+                if _layout_need(self.sizes, self.other, min(len(self.sizes), r * g), cfg, self.n_dtypes,
+                                self.block_tensors) <= self.too_small[1]]
+        if not fits:
+            return ""
+        k = min(len(self.sizes), cfg.resident_groups * g)
+        return (f"with resident_groups={cfg.resident_groups}, {k} block{'s stay' if k != 1 else ' stays'} loaded beside "
+                f"the slots: set it to {fits[0]} or less (or -1, auto)")
 
     def _use(self, k: int, split: SplitLayout | None) -> None:
         """Take a layout: ``k`` leading blocks loaded by ComfyUI and the rest streamed whole, or ``split``."""
@@ -576,10 +616,14 @@ class _Session:
         """First model call of the run: ComfyUI has loaded and patched; stream the rest."""
         if self.too_small:
             need, budget = self.too_small
-            self.skip_reason = (f"the free VRAM for this model's weights ({_gb(budget)}) cannot hold its non-block "
-                                f"part plus the streaming slots of its widest blocks ({_gb(need)}), so ComfyUI loads "
-                                "it itself this run (its own lowvram path); a smaller resolution or batch, "
-                                "blocks_per_group=1 and prefetch_depth=1, or QuantizeDiT first make room")
+            resident = self.resident_groups_line()
+            self.skip_reason = ((f"the free VRAM for this model's weights ({_gb(budget)}) cannot hold the blocks "
+                                 f"resident_groups keeps loaded plus the streaming slots ({_gb(need)}), so ComfyUI "
+                                 f"loads it itself this run (its own lowvram path); {resident}") if resident else
+                                (f"the free VRAM for this model's weights ({_gb(budget)}) cannot hold its non-block "
+                                 f"part plus the streaming slots of its widest blocks ({_gb(need)}), so ComfyUI "
+                                 "loads it itself this run (its own lowvram path); a smaller resolution or batch, "
+                                 "blocks_per_group=1 and prefetch_depth=1, or QuantizeDiT first make room"))
             return
         if not self.streamed:
             cfg = self.state.request.config
@@ -603,8 +647,11 @@ class _Session:
         from .phase import adopt_moved_masters
         adopt_moved_masters(self.patcher)       # PhaseOffload before this node: its masters are the arena now
         bandwidth = self._bandwidth(transport, store)
-        budget = self.budget - (module_bytes(self.root) - self.streamed_bytes) if not math.isinf(self.budget) \
-            else AUTO
+        # the engine's share: the budget less what ComfyUI loads. A tensor the streamed blocks share among
+        # themselves is the engine's to place (ComfyUI loads none of their modules), so it counts in that share
+        engine_moves = self.streamed_bytes if self.split is not None else _unique_bytes(
+            self.streamed, held_outside(self.root, self.streamed))
+        budget = self.budget - (module_bytes(self.root) - engine_moves) if not math.isinf(self.budget) else AUTO
         reserve = None
         if budget != AUTO:
             budget = max(0, int(budget))
@@ -895,11 +942,14 @@ class PrefetchState:
             session = _Session(self, patcher, noise, guider, plan_share_failed=self._plan_share_line(session))
         elif session.too_small and self.request.budget_bytes is not None:
             need, budget = session.too_small
+            resident = session.resident_groups_line()
             raise BudgetExceeded(need, int(budget), "GroupPrefetch (vram_budget_gb)",
-                                 hint="The budget must hold the model's non-block part plus prefetch_depth + 1 slots "
-                                      "of its widest block group: raise vram_budget_gb, set blocks_per_group=1 and "
-                                      "prefetch_depth=1, quantize the model first, or leave the budget on auto "
-                                      "(ComfyUI then loads the model itself when even that does not fit).")
+                                 hint=(f"{resident[0].upper()}{resident[1:]}, or raise vram_budget_gb." if resident
+                                       else "The budget must hold the model's non-block part plus prefetch_depth + 1 "
+                                       "slots of its widest block group: raise vram_budget_gb, set "
+                                       "blocks_per_group=1 and prefetch_depth=1, quantize the model first, or leave "
+                                       "the budget on auto (ComfyUI then loads the model itself when even that does "
+                                       "not fit)."))
         self.session = session
         try:
             session.install_load_overrides()

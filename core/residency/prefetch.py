@@ -1937,7 +1937,9 @@ class PrefetchHandle:
             self.other_compute_s = (self.clock.elapsed(start, pairs[0][1]) + self.clock.elapsed(pairs[-1][2], end)
                                     if pairs else self.clock.elapsed(start, end))
             self._calibration_pairs = None
-            self._fwd_marks = []
+            # the calibration forward ran cold (every group a miss, first touches) and maybe in another layout:
+            # "achieved" is the forwards after it
+            self._fwd_marks, self._forward_seconds = [], []
             self._replan(rebuild)
         elif rebuild and self._replan_pending:
             self._replan_pending = False
@@ -2046,8 +2048,10 @@ class PrefetchHandle:
                     f"{s['floor_s'] * 1e3:.1f} ms, predicted {s['predicted_s'] * 1e3:.1f} ms "
                     f"(hides {100 * s['predicted_hidden']:.0f}% of the transfer)")
             if s["achieved_s"] is not None:
-                line += (f", achieved {s['achieved_s'] * 1e3:.1f} ms (hides {100 * s['achieved_hidden']:.0f}%, "
-                         f"{100 * s['floor_efficiency']:.0f}% of the floor)")
+                # a floor of 0 (every block resident, nothing measured) has no efficiency to give
+                line += (f", achieved {s['achieved_s'] * 1e3:.1f} ms (hides {100 * s['achieved_hidden']:.0f}%"
+                         + (f", {100 * s['floor_efficiency']:.0f}% of the floor" if s["floor_efficiency"] is not None
+                            else "") + ")")
             lines.append(line + ".")
         elif self.bandwidth is None:
             lines.append("timing: no bandwidth given, so no overlap prediction (pass bandwidth=...).")

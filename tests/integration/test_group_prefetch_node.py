@@ -74,6 +74,61 @@ def test_comfy_accounting_sees_only_the_resident_part(comfy_env, tiny_wan):
     assert clone.model_size() == module_bytes(clone.model)   # the true size again after the run
 
 
+@pytest.mark.parametrize("tie", [(3, 0), (3, 2)], ids=["with_another_block", "between_streamed_blocks"])
+def test_a_tied_weight_is_counted_once_with_the_resident_part_at_the_tightest_budget(comfy_env, tiny_wan, tie):
+    """Found in review: a tensor two blocks share was counted in both blocks' sizes and not in the part that stays
+    on the device, where the engine keeps it: at the smallest budget the node accepted, the engine raised
+    BudgetExceeded in the first model call, after ComfyUI had loaded the model. Every budget the node accepts now
+    samples, bit-identical, within the budget."""
+    from comfyui_levers.bridge.prefetch import _Session
+    from comfyui_levers.core.residency.blocks import module_bytes
+
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    a, b = tie
+    dm.blocks[a].ffn[0].weight = dm.blocks[b].ffn[0].weight
+    ref = tiny_wan.sample(model)["samples"]
+    kw = dict(blocks_per_group=1, prefetch_depth=1, resident_groups=-1)
+
+    def accepted(budget):
+        clone, _, state = _prefetch(comfy_env, model, **kw, vram_budget_gb=budget / 2 ** 30)
+        s = _Session(state, clone, None)          # what the node decides before ComfyUI loads anything
+        return s.too_small is None and bool(s.streamed)
+    lo, hi = 0, module_bytes(dm)
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if accepted(mid) else (mid, hi)
+    clone, _, state = _prefetch(comfy_env, model, **kw, vram_budget_gb=hi / 2 ** 30)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref), state.last_report
+    stats = state.last_stats
+    assert stats is not None and stats["streamed_groups"] >= 1, state.last_report
+    assert stats["device_bytes_planned"] <= stats["budget_bytes"]
+
+
+def test_an_explicit_resident_groups_is_held_to_the_budget_and_named_when_it_does_not_fit(comfy_env, tiny_wan):
+    """Found in review: resident_groups=2 of 4 blocks (two streamed groups, each keeping one of the two slots)
+    made every block resident without a look at vram_budget_gb, and ComfyUI loaded the whole model past it;
+    resident_groups=1 at a budget auto streams within failed with advice to set blocks_per_group and
+    prefetch_depth to 1, which they were, never naming resident_groups."""
+    from comfyui_levers.core.errors import BudgetExceeded
+    from comfyui_levers.core.residency.blocks import find_blocks, module_bytes
+
+    model = tiny_wan.load_model()
+    dm = model.model.diffusion_model
+    sizes = [module_bytes(b) for _, b in find_blocks(dm).blocks]
+    budget = module_bytes(dm) - sum(sizes) + int(2.6 * max(sizes))   # the non-block part and ~2.6 blocks
+    ref = tiny_wan.sample(model)["samples"]
+    kw = dict(blocks_per_group=1, prefetch_depth=1, vram_budget_gb=budget / 2 ** 30)
+    clone, _, state = _prefetch(comfy_env, model, resident_groups=-1, **kw)
+    assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
+    assert state.last_stats["streamed_groups"] >= 2, state.last_report        # auto streams within it
+    for r in (1, 2):
+        clone, _, state = _prefetch(comfy_env, model, resident_groups=r, **kw)
+        with pytest.raises(BudgetExceeded, match=r"With resident_groups=%d, %d blocks? stays? loaded beside the "
+                                                 r"slots: set it to 0 or less" % (r, r)):
+            tiny_wan.sample(clone)      # raised before ComfyUI loads anything (as for any budget too small)
+
+
 def test_a_weight_a_streamed_block_shares_with_a_resident_block_stays_loaded(comfy_env, tiny_wan):
     """The resident block uses it while the streamed one is not running: streamed, it would sit on the host (or in a
     slot another group overwrites) when the resident block runs on a GPU, and the node would take its placement for
