@@ -113,13 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     for mod, commands in _PLUGGED.items():
         try:
             module = importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name == mod:
+        except (ModuleNotFoundError, OSError) as exc:
+            if isinstance(exc, ModuleNotFoundError) and exc.name == mod:
                 continue  # that subcommand is not part of this build
-            if exc.name != "torch":
+            if isinstance(exc, ModuleNotFoundError) and exc.name != "torch":
                 raise
+            # no torch, or a torch that does not load (a DLL it needs missing: OSError): the other commands work
             for command in commands:   # listed, and says what it needs when run (`levers run` needs no torch)
-                sub.add_parser(command, help="(needs PyTorch, not installed here)")
+                sub.add_parser(command, help="(needs PyTorch, not usable here)")
                 parser.needs_torch.add(command)
             continue
         module.register_cli(sub)

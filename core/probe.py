@@ -147,6 +147,8 @@ def cuda_usable() -> Capability:
         import torch
     except ImportError:
         return Capability(False, "torch is not installed")
+    except OSError as exc:       # a broken install: a DLL or shared library torch needs does not load
+        return Capability(False, f"torch does not load ({exc})")
     if not torch.cuda.is_available():
         return Capability(False, "torch sees no CUDA device (CPU build, no driver, or CUDA_VISIBLE_DEVICES empty)")
     return Capability(True, f"{torch.cuda.device_count()} CUDA device(s)")
@@ -181,7 +183,7 @@ def measure_h2d_bandwidth(nbytes: int = 128 * 1024 ** 2, repeats: int = 3, devic
 
     dev = torch.device("cuda", device)
     n = nbytes // 2
-    dst = torch.empty(n, dtype=torch.float16, device=dev)
+    dst = None
 
     def timed(src) -> float:
         dst.copy_(src, non_blocking=True)  # warm-up
@@ -195,6 +197,8 @@ def measure_h2d_bandwidth(nbytes: int = 128 * 1024 ** 2, repeats: int = 3, devic
         return nbytes / best / 1e9
 
     try:
+        # inside the try: a card other programs (or ComfyUI's loaded models) fill is a table figure, not an error
+        dst = torch.empty(n, dtype=torch.float16, device=dev)
         pageable = torch.empty(n, dtype=torch.float16)
         page_gbps = timed(pageable)
         try:
@@ -335,6 +339,9 @@ def synthetic_machine(vram_gb: float | None = None, ram_gb: float | None = None,
     for name, v in (("vram_gb", vram_gb), ("ram_gb", ram_gb), ("h2d_gbps", h2d_gbps)):
         if v is not None and not math.isfinite(v):
             raise ValueError(f"{name}={v} is not a finite number; give it in {'GB/s' if name == 'h2d_gbps' else 'GiB'}")
+        if v is not None and name != "h2d_gbps" and v > 2 ** 40:
+            # finite, but its bytes are not (1e300 GiB): no machine has a tebi-GiB of memory
+            raise ValueError(f"{name}={v:g} is more memory than any machine has; give it in GiB (e.g. 24)")
     base = base or probe(measure_bandwidth=h2d_gbps is None)
     gs = base.gpus
     if vram_gb is not None:

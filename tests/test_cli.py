@@ -221,3 +221,22 @@ def test_without_torch_every_command_says_what_it_needs_instead_of_a_traceback(a
             assert "fp8_e4m3fn" not in r.stdout.split("\n\n")[1], r.stdout   # this machine, no torch: no fp8
     else:
         assert r.returncode == 2 and "needs PyTorch" in r.stderr and "pip install torch" in r.stderr, r.stderr
+
+
+def test_a_torch_that_does_not_load_leaves_the_other_commands_working(monkeypatch):
+    """A broken torch raises OSError on import (a DLL it needs missing), which build_parser let through: even
+    `levers recommend --vram-gb 12 --ram-gb 32`, which needs no torch, died with a traceback."""
+    import importlib
+
+    from comfyui_levers import cli
+
+    real = importlib.import_module
+
+    def broken(name, *a, **k):
+        if name in ("comfyui_levers.core.quant.cli", "comfyui_levers.core.benchmark"):
+            raise OSError("[WinError 126] The specified module could not be found. Error loading fbgemm.dll")
+        return real(name, *a, **k)
+    monkeypatch.setattr(cli.importlib, "import_module", broken)
+    parser = cli.build_parser()
+    assert {"quantize", "bench"} <= parser.needs_torch
+    assert cli.main(["quantize", "a.safetensors", "b.safetensors", "--format", "fp8"]) == 2

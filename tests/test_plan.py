@@ -1233,3 +1233,75 @@ def test_the_no_fit_advice_names_the_least_the_weights_can_take():
     gib = float(note.split("on the GPU at least ")[1].split(" GiB")[0])
     assert gib < 0.2 * p.diffusion_model.weight_bytes / GiB and "with streaming" in note, note
     assert "Lower the resolution/frames or batch" in note
+
+
+@pytest.mark.parametrize("model", ["ltxv", "ltx-2"])
+def test_a_size_below_one_latent_cell_is_planned_at_one_cell_with_a_note(model):
+    """Found in review: LTX's 32-px cell at 16x16 made 0 tokens, 0 s per step, and the balanced goal divided by
+    the fastest plan's 0 s (ZeroDivisionError from `levers recommend --model ltxv --width 16 --height 16`)."""
+    spec = get_preset(model)
+    p = plan(spec, Workload(16, 16, spec.default_frames), machine(141 if model == "ltx-2" else 24, ram=256),
+             goal="balanced")
+    v = spec.vae_spatial
+    assert p.workload["width"] == p.workload["height"] == v
+    assert any(f"below {spec.name}'s {v}-pixel latent cell" in n for n in p.notes), p.notes
+
+
+def test_absurd_memory_sizes_are_named_not_overflowed():
+    """--vram-gb 1e300 passed the finite check and overflowed converting to bytes (a traceback, exit 1)."""
+    for kw, name in ((dict(vram_gb=1e300), "vram_gb"), (dict(vram_gb=24, ram_gb=1e300), "ram_gb")):
+        with pytest.raises(ValueError, match=f"{name}=1e\\+300 is more memory than any machine has"):
+            synthetic_machine(h2d_gbps=25, **kw)
+
+
+def test_the_bandwidth_probe_on_a_full_card_falls_back_to_the_table(monkeypatch):
+    """Its 128 MiB device buffer was allocated outside the try: a card other programs (or ComfyUI's loaded models)
+    fill raised out of the probe, and Recommend failed instead of planning with the table figure."""
+    import torch
+
+    from comfyui_levers.core import probe as P
+
+    real_empty = torch.empty
+
+    def full_card(*a, device=None, **k):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+        return real_empty(*a, **k)
+    monkeypatch.setattr(P, "cuda_usable", lambda: P.Capability(True, "1 CUDA device(s)"))
+    monkeypatch.setattr(torch, "empty", full_card)
+    bw = P.measure_h2d_bandwidth()
+    assert bw.source == "table" and "out of memory" in bw.reason
+
+
+def test_a_torch_that_does_not_load_is_a_note(monkeypatch):
+    """A broken install (Windows: "[WinError 126] ... fbgemm.dll") raises OSError on import, which the probe let
+    through: `levers recommend` and the node failed instead of planning for the CPU with a note."""
+    import builtins
+
+    from comfyui_levers.core import probe as P
+
+    real_import = builtins.__import__
+
+    def broken(name, *a, **k):
+        if name == "torch":
+            raise OSError("[WinError 126] The specified module could not be found. Error loading fbgemm.dll")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    cap = P.cuda_usable()
+    assert not cap.ok and "torch does not load" in cap.reason and "fbgemm.dll" in cap.reason
+
+
+def test_the_dequantized_fp8_note_says_the_slowdown_the_plan_uses():
+    """The note said ~1.45x while the planner timed dequantized fp8 at FP8_DEQUANT_SLOWDOWN (1.3x)."""
+    from dataclasses import replace
+
+    from comfyui_levers.core.plan import FP8_DEQUANT_SLOWDOWN
+    from comfyui_levers.core.probe import Capability
+
+    m = machine(24, ram=64, capability=(8, 6))           # an RTX 3090: no fp8 matmuls; no nf4 or int8 backend
+    m = replace(m, libraries={**m.libraries, "bitsandbytes": Capability(False, "not installed"),
+                              "torchao": Capability(False, "not installed")})
+    p = plan(get_preset("flux1-dev"), Workload(1024, 1024, 1, 28), m, goal="fit")
+    notes = [n for c in p.components for n in c.notes if "dequantized per layer" in n]
+    assert notes, [(c.name, c.precision) for c in p.components]
+    assert all(f"~{FP8_DEQUANT_SLOWDOWN:g}x slower linears as planned" in n for n in notes), notes
