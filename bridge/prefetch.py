@@ -57,7 +57,7 @@ _BUILT: "weakref.WeakKeyDictionary[nn.Module, _Built]" = weakref.WeakKeyDictiona
 # A kept layout may stream this much more per forward than the least the run's budget allows; beyond it the
 # host copy is rebuilt for the new layout (the bytes saved then repeat every forward, the rebuild is paid once).
 KEEP_SLACK = 0.25
-_BANDWIDTH: dict[str, float] = {}
+_BANDWIDTH: dict[tuple[str, bool], float] = {}     # (device, from pinned memory) -> bytes/s
 # Per diffusion model, the weight keys the last run streamed patched (LoRA): ComfyUI may restore them in place
 # into our arena views at its next load, which the store cannot see by pointer, so they are re-staged then.
 _PATCHED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
@@ -835,9 +835,13 @@ class _Session:
 
     @staticmethod
     def _bandwidth(transport: Transport, store: HostStore) -> float:
-        key = str(transport.device)
+        # from the kind of memory the weights stream from: a host copy left pageable (pin off, or the RAM rule
+        # declining) copies at a fraction of the pinned rate, which the plan, the floor and the report would claim
+        pinned = store.pinned_bytes * 2 >= store.host_bytes
+        key = (str(transport.device), pinned)
         if key not in _BANDWIDTH:
-            _BANDWIDTH[key] = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
+            _BANDWIDTH[key] = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)),
+                                                pinned=pinned)
         return _BANDWIDTH[key]
 
     def close(self) -> str:

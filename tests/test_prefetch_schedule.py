@@ -1095,3 +1095,20 @@ def test_the_report_of_a_run_with_a_floor_of_nothing_does_not_fail():
     text = h.report()
     assert "achieved" in text and "of the floor" not in text
     h.remove()
+
+
+def test_bandwidth_is_measured_from_the_memory_the_weights_stream_from():
+    """Found in review: the probe always copied from a pinned buffer, so a host copy left pageable (pin off, or
+    the RAM rule declining) was planned, floored and reported at the pinned rate."""
+    pins = []
+
+    class Counting(CpuTransport):
+        def pin(self, t):
+            pins.append(t.numel())
+            return super().pin(t)
+    tr = RecordingTransport(Counting())
+    from comfyui_levers.core.residency.prefetch import measure_bandwidth
+
+    assert measure_bandwidth(tr, nbytes=1 << 20, pinned=False) > 0 and pins == []
+    assert measure_bandwidth(tr, nbytes=1 << 20) > 0 and pins == [1 << 20]
+    assert tr.ledger.h2d_bytes == 0          # calibration is not model traffic

@@ -1363,13 +1363,15 @@ class _Clock:
         return b - a
 
 
-def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repeats: int = 3) -> float:
-    """Host->device bytes/s through ``transport`` from a pinned (when possible) buffer.
+def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repeats: int = 3,
+                      pinned: bool = True) -> float:
+    """Host->device bytes/s through ``transport`` from a pinned (when possible and ``pinned``) or pageable buffer:
+    the kind of memory the weights will stream from.
 
     One-time calibration: it synchronises the host, so never call it in the hot path."""
     with torch.inference_mode(False):
         src = torch.empty(nbytes, dtype=torch.uint8)
-        pin = transport.pin(src)
+        pin = transport.pin(src) if pinned else None
         dst = transport.empty((nbytes,), torch.uint8)
     try:
         transport.wait_compute("bandwidth")   # dst comes from compute's pool: work queued there may still use it
@@ -1381,7 +1383,7 @@ def measure_bandwidth(transport: Transport, nbytes: int = 256 * 1024 ** 2, repea
         transport.synchronize()
         seconds = time.perf_counter() - t0
     finally:
-        if pin.pinned:
+        if pin is not None and pin.pinned:
             transport.unpin(src)
     transport.ledger.h2d_bytes -= nbytes * (repeats + 1)   # calibration is not model traffic
     transport.ledger.h2d_copies -= repeats + 1

@@ -1246,10 +1246,15 @@ def test_the_host_copy_is_pinned_by_the_ram_rule_counting_what_levers_holds_pinn
     assert pin_arena(allocated=True)[0]
     # pin = off, through the node, in a real run: bit-identical and reported
     ref = tiny_wan.sample(tiny_wan.load_model())["samples"]
+    seen = []
+    real_measure = bp.measure_bandwidth
+    monkeypatch.setattr(bp, "measure_bandwidth", lambda *a, **k: seen.append(k.get("pinned")) or real_measure(*a, **k))
+    monkeypatch.setattr(bp, "_BANDWIDTH", {})
     clone, report, st = _prefetch(comfy_env, tiny_wan.load_model(), pin="off")
     assert "pin off" in report
     assert torch.equal(tiny_wan.sample(clone)["samples"], ref)
     assert "not pinned: pageable: pin = off" in st.last_report, st.last_report
+    assert seen == [False], seen        # the bandwidth is measured from pageable memory, as the weights stream
 
 
 def test_a_plan_that_streams_the_model_decides_its_pinning_on_auto():
