@@ -664,7 +664,21 @@ class _Session:
                       partial_blocks=False)
         layout = replace(self.layout, blocks=tuple(self.streamed))
         self.handle = apply_group_prefetch(self.root, cfg, transport, bandwidth=bandwidth, store=store,
-                                           layout=layout, reserve=reserve)
+                                           layout=layout, reserve=reserve, timed_between=self._between())
+
+    def _between(self) -> list[tuple[int, nn.Module]]:
+        """The blocks ComfyUI loads whole that run between two streamed ones (a split plan streams heads of some
+        blocks only), each with the streamed block before it (its index among the streamed): the engine counts
+        their compute with that block's, so its floor, predictions and auto choice see them."""
+        if self.split is None:
+            return []           # ComfyUI's blocks are a prefix: the engine counts them before its first block
+        streamed = list(self.split.streamed)
+        out = []
+        for j, (_, block) in enumerate(self.layout.blocks):
+            if j in streamed or j < streamed[0] or j > streamed[-1]:
+                continue
+            out.append((bisect.bisect_left(streamed, j) - 1, block))
+        return out
 
     def _reserve(self, mm, dev):
         """Before the engine allocates a layout's slots: ask ComfyUI for exactly those bytes plus the room the

@@ -1112,3 +1112,43 @@ def test_bandwidth_is_measured_from_the_memory_the_weights_stream_from():
     assert measure_bandwidth(tr, nbytes=1 << 20, pinned=False) > 0 and pins == []
     assert measure_bandwidth(tr, nbytes=1 << 20) > 0 and pins == [1 << 20]
     assert tr.ledger.h2d_bytes == 0          # calibration is not model traffic
+
+
+def test_blocks_the_host_keeps_between_streamed_ones_count_as_compute():
+    """Found in review: a split plan hands the engine only the blocks with a streamed head; a block ComfyUI holds
+    whole can run between two of them. Its time was in no block's marks nor in the non-block compute (taken
+    before the first and after the last engine block only), so compute, the floor and the predictions left it out
+    (2.4 ms measured for a forward of 122 ms with two 50 ms blocks between). Timed with the block before it now."""
+    import time
+    from dataclasses import replace
+
+    m = make_wan(n=8)
+    for i in (3, 4):       # 50 ms of work inside each (a hook registered first runs before the engine's exit mark)
+        m.blocks[i].register_forward_hook(lambda mod, a, out: time.sleep(0.05))
+    layout = find_blocks(m)
+    streamed = tuple(b for i, b in enumerate(layout.blocks) if i not in (3, 4))
+    cfg = PrefetchConfig(1, 1, 0, 10 ** 9, manage_resident=False, partial_blocks=False)   # as the bridge sets it
+    h = apply_group_prefetch(m, cfg, RecordingTransport(CpuTransport()), bandwidth=1e9,
+                             layout=replace(layout, blocks=streamed),
+                             timed_between=[(2, layout.blocks[3][1]), (2, layout.blocks[4][1])])
+    with torch.no_grad():
+        for _ in range(4):
+            m(*wan_inputs())
+    s = h.stats()
+    assert h.block_compute_s[2] >= 0.1, h.block_compute_s
+    assert s["compute_s"] >= 0.1 and s["floor_s"] >= 0.1, s
+    h.remove()
+    assert not m.blocks[3]._forward_pre_hooks and len(m.blocks[3]._forward_hooks) == 1     # only the test's left
+
+
+def test_the_bridge_times_each_block_comfyui_loads_between_streamed_ones_with_the_one_before():
+    """The bridge's side of the test above: which blocks a split layout leaves between its streamed ones, each
+    with the streamed block (its index among the streamed) whose compute it joins."""
+    from types import SimpleNamespace as NS
+
+    from comfyui_levers.bridge.prefetch import _Session
+
+    blocks = [(f"b{i}", f"m{i}") for i in range(9)]
+    s = NS(split=NS(streamed=(1, 2, 3, 5, 7)), layout=NS(blocks=blocks))
+    assert _Session._between(s) == [(2, "m4"), (3, "m6")]      # m0 runs before, m8 after: the engine times those
+    assert _Session._between(NS(split=None, layout=NS(blocks=blocks))) == []

@@ -1465,6 +1465,8 @@ class PrefetchHandle:
         self.device = transport.device
         self.clock = _Clock(self.device)
         self._hooks: list[Any] = []
+        self.timed_between: tuple[tuple[int, nn.Module], ...] = ()
+        self._between_marks: dict[int, Any] = {}
         self._moved: list[tuple[_Ref, torch.Tensor]] = []     # (ref, original object) moved to the device
         self._resident_bufs: dict[torch.dtype, torch.Tensor] = {}
         self._resident_leaves: dict[int, torch.Tensor] = {}    # device views of resident inner tensors
@@ -1519,6 +1521,10 @@ class PrefetchHandle:
             entry, exit_ = entry_exit(block)
             self._hooks.append(entry.register_forward_pre_hook(self._make_pre(b)))
             self._hooks.append(exit_.register_forward_hook(self._make_post(b)))
+        for i, (b, block) in enumerate(self.timed_between):
+            entry, exit_ = entry_exit(block)
+            self._hooks.append(entry.register_forward_pre_hook(self._make_between(i, b, True)))
+            self._hooks.append(exit_.register_forward_hook(self._make_between(i, b, False)))
 
     def _device_remainder_bytes(self) -> int:
         """Device bytes outside the streamed/resident groups that the budget must cover: the
@@ -1769,6 +1775,19 @@ class PrefetchHandle:
         def post_hook(module, args, output):
             self._exit_block(b)
         return post_hook
+
+    def _make_between(self, i: int, b: int, enter: bool):
+        """Timing only, on the calibration forward: block ``i`` of ``timed_between``, whose compute counts with
+        streamed block ``b``'s."""
+        @torch.compiler.disable
+        def hook(module, args, *output):
+            if not self._calibrating:
+                return
+            if enter:
+                self._between_marks[i] = self.clock.mark()
+            elif i in self._between_marks:
+                self._block_pairs.append((b, self._between_marks.pop(i), self.clock.mark()))
+        return hook
 
     @torch.compiler.disable
     def _on_forward_start(self, module, args):
@@ -2126,7 +2145,8 @@ def _auto_budget(module: nn.Module, device: torch.device) -> float:
 def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: Transport,
                          bandwidth: float | None = None, store: HostStore | None = None,
                          layout: BlockLayout | None = None,
-                         reserve: Callable[[int], None] | None = None) -> PrefetchHandle:
+                         reserve: Callable[[int], None] | None = None,
+                         timed_between: Sequence[tuple[int, nn.Module]] = ()) -> PrefetchHandle:
     """Stream ``module``'s transformer blocks through ``transport``.
 
     ``bandwidth`` (host->device bytes/s; measured once through ``transport`` when None, or pass
@@ -2135,7 +2155,9 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
     HostStore built earlier for the same blocks (reused across installs; not restored on
     ``remove``). ``layout``: blocks found earlier (default: ``find_blocks(module)``). ``reserve``:
     called with the device bytes a layout is about to allocate, before it allocates them (a host
-    asks its memory manager for that room; again for each re-planned layout).
+    asks its memory manager for that room; again for each re-planned layout). ``timed_between``: (b, block)
+    for blocks the host keeps loaded that run between streamed block ``b`` and the next: their compute counts
+    with block ``b``'s (the time between two streamed blocks is otherwise taken for a wait on a copy).
     """
     if not isinstance(config, PrefetchConfig):
         raise ConfigError("config", type(config).__name__, "a PrefetchConfig")
@@ -2153,6 +2175,7 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
         bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
     store.use_packed = config.packed     # a store packed for another install streams as stored here
     handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget, reserve)
+    handle.timed_between = tuple(timed_between)
     if config.packed and not store.packed:
         why = (pack_why if not pack_ok else
                "the store given was built without packing (HostStore(..., packed=True))"
