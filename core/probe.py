@@ -262,7 +262,10 @@ def torchao_capability() -> Capability:
         return Capability(False, "torchao is not installed (pip install torchao)")
     try:
         with quiet_import():
-            from torchao.quantization import Int8WeightOnlyConfig  # noqa: F401
+            # what QuantizeDiT's int8 quantizer imports (core/quant/int8.py): a torchao whose other parts import
+            # but whose primitives do not (an incompatible torch pair) must not plan int8 that QuantizeDiT refuses
+            from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine,  # noqa: F401
+                                                               quantize_affine)
 
         return Capability(True, "torchao int8 weight-only available")
     except Exception as exc:        # fail soft, as above

@@ -1305,3 +1305,30 @@ def test_the_dequantized_fp8_note_says_the_slowdown_the_plan_uses():
     notes = [n for c in p.components for n in c.notes if "dequantized per layer" in n]
     assert notes, [(c.name, c.precision) for c in p.components]
     assert all(f"~{FP8_DEQUANT_SLOWDOWN:g}x slower linears as planned" in n for n in notes), notes
+
+
+def test_int8_is_available_only_when_the_quantizers_own_torchao_imports_work(monkeypatch):
+    """Found in review: the probe imported torchao's Int8WeightOnlyConfig while QuantizeDiT's int8 quantizer imports
+    its quant primitives; a torchao whose primitives do not import beside this torch was planned as int8, which
+    QuantizeDiT then refused."""
+    import builtins
+
+    from comfyui_levers.core import probe
+
+    real_import = builtins.__import__
+
+    def primitives_broken(name, *a, **k):
+        if name == "torchao.quantization.quant_primitives":
+            raise ImportError("cannot import name 'choose_qparams_affine' (an incompatible torch)")
+        if name.startswith("torchao"):
+            from types import SimpleNamespace
+            return SimpleNamespace(Int8WeightOnlyConfig=object)       # the rest of torchao imports
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(probe, "_module_present", lambda name: True)
+    monkeypatch.setattr(builtins, "__import__", primitives_broken)
+    probe.torchao_capability.cache_clear()
+    try:
+        cap = probe.torchao_capability()
+    finally:
+        probe.torchao_capability.cache_clear()
+    assert not cap.ok and "choose_qparams_affine" in cap.reason, cap
