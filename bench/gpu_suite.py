@@ -949,9 +949,16 @@ class Suite:
                     time.sleep(0.05)
                 except (TypeError, ValueError) as exc:
                     # a key JSON cannot take (a tuple, a dtype) in some case's record: written with its keys as
-                    # text rather than stopping the suite from the section's finally
+                    # text rather than stopping the suite from the section's finally; a record that holds itself
+                    # (circular) keeps only what can be written of it
                     self.results["save_error"] = short_exc(exc)
-                    text = json.dumps(_text_keys(self.results), indent=2, default=_json_default)
+                    try:
+                        text = json.dumps(_text_keys(self.results), indent=2, default=_json_default)
+                    except (TypeError, ValueError, RecursionError):
+                        text = json.dumps({k: v for k, v in self.results.items() if k != "sections"}
+                                          | {"sections": {n: repr(v)[:2000] for n, v in
+                                                          self.results.get("sections", {}).items()}},
+                                          indent=2, default=repr)
                     break
             else:
                 return

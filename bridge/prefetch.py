@@ -160,9 +160,9 @@ def streamable_bytes(root: nn.Module, blocks) -> list[int]:
     return out
 
 
-def _unique_bytes(blocks, exclude: frozenset[int] = frozenset()) -> int:
-    """Bytes of the tensors of ``blocks`` ((name, module) pairs), each once, less those in ``exclude`` (ids)."""
-    seen = {id(t): t for _, m in blocks for t in [*m.parameters(), *m.buffers()] if id(t) not in exclude}
+def _unique_bytes(blocks) -> int:
+    """Bytes of the tensors of ``blocks`` ((name, module) pairs), each once."""
+    seen = {id(t): t for _, m in blocks for t in [*m.parameters(), *m.buffers()]}
     return sum(tensor_nbytes(t) for t in seen.values())
 
 
@@ -649,8 +649,8 @@ class _Session:
         bandwidth = self._bandwidth(transport, store)
         # the engine's share: the budget less what ComfyUI loads. A tensor the streamed blocks share among
         # themselves is the engine's to place (ComfyUI loads none of their modules), so it counts in that share
-        engine_moves = self.streamed_bytes if self.split is not None else _unique_bytes(
-            self.streamed, held_outside(self.root, self.streamed))
+        # (a tensor also held outside them too: the engine keeps it with its remainder and counts it there)
+        engine_moves = self.streamed_bytes if self.split is not None else _unique_bytes(self.streamed)
         budget = self.budget - (module_bytes(self.root) - engine_moves) if not math.isinf(self.budget) else AUTO
         reserve = None
         if budget != AUTO:
@@ -851,7 +851,9 @@ class _Session:
     def _bandwidth(transport: Transport, store: HostStore) -> float:
         # from the kind of memory the weights stream from: a host copy left pageable (pin off, or the RAM rule
         # declining) copies at a fraction of the pinned rate, which the plan, the floor and the report would claim
-        pinned = store.pinned_bytes * 2 >= store.host_bytes
+        # what streams (a packed store's planes, else the arenas) is pinned; a packed store's bf16 arena, held
+        # beside its planes, is not what streams and stays pageable
+        pinned = bool(store.pin_results) and all(r.pinned for r in store.pin_results.values())
         key = (str(transport.device), pinned)
         if key not in _BANDWIDTH:
             _BANDWIDTH[key] = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)),

@@ -1109,7 +1109,8 @@ class ComfyClient:
         status, _ = self._request("POST", "/queue", {"delete": [prompt_id]})   # a waiting prompt: dropped, never runs
         # No /interrupt for a prompt taken out of the queue: builds before its prompt_id was honoured stop whatever
         # runs, another client's prompt. Unless ours started between the two requests (the delete skips it then).
-        if waiting and status == 200 and not self._queued(prompt_id, "queue_running"):
+        # (a queue that cannot be read now is no proof the prompt did not start: interrupt it then)
+        if waiting and status == 200 and self._queued(prompt_id, "queue_running") is False:
             return "took this prompt out of ComfyUI's queue before it started"
         self._request("POST", "/interrupt", {"prompt_id": prompt_id})     # a running one: stopped, no other prompt
         return {True: "asked ComfyUI to stop this prompt (it started as it was being taken out of the queue)",

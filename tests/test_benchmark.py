@@ -353,6 +353,14 @@ def test_a_record_json_cannot_take_is_saved_with_its_keys_as_text(tmp_path):
     saved = json.loads((tmp_path / "suite.json").read_text())
     assert saved["sections"]["dit"]["cases"] == {"('flux', 12)": {"s_per_step": 1.5}}
     assert "keys must be" in saved["save_error"]
+    loop = {"s_per_step": 2.0}
+    loop["itself"] = loop                  # a record that holds itself: still written, the others intact
+    suite.results["sections"]["vae"] = loop
+    suite.results["sections"]["dit"] = {"cases": {"flux 12": {"s_per_step": 1.5}}}
+    suite.save()
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert "Circular" in saved["save_error"] and "s_per_step" in saved["sections"]["vae"]
+    assert "1.5" in saved["sections"]["dit"]
 
 
 def test_bench_out_is_written_whole_or_not_at_all(monkeypatch, capsys, tmp_path):

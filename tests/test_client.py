@@ -1410,3 +1410,24 @@ def test_input_mistakes_name_the_input_option(given, needle, tmp_path, capsys):
     assert rc == C.EXIT_INVALID and fake.uploads == []
     err = capsys.readouterr().err
     assert needle in err and "--set" not in err, err
+
+
+def test_a_queue_that_cannot_be_read_after_the_delete_still_interrupts():
+    """Found in review: cancel() skipped /interrupt when the second read of /queue failed (None read as "not
+    running"), so a prompt that started between the two requests ran on while the message said it was taken out."""
+    from comfyui_levers.core import client as C
+    from comfyui_levers.core.errors import LeversError
+
+    c = C.ComfyClient.__new__(C.ComfyClient)
+    calls = []
+    reads = iter([{"queue_pending": [[0, "p1", {}, {}, []]], "queue_running": []}])
+
+    def get_json(path):
+        try:
+            return next(reads)
+        except StopIteration:
+            raise LeversError("GET /queue answered HTTP 500") from None
+    c.get_json = get_json
+    c._request = lambda method, path, body=None, **k: (calls.append((method, path)) or (200, b"{}"))
+    done = c.cancel("p1")
+    assert ("POST", "/interrupt") in calls and "took this prompt out" not in done, (done, calls)

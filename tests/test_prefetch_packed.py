@@ -645,3 +645,25 @@ def test_a_refused_pin_of_the_stored_arena_keeps_the_repacked_escapes_pinned(mon
     pinned = [id(t) for t in store._pinned_planes]
     assert id(pk.sm) in pinned and id(pk.esc_pos) in pinned and id(pk.esc_val) in pinned
     store.restore(tr)
+
+
+def test_a_packed_store_s_bandwidth_is_measured_from_pinned_memory(monkeypatch):
+    """Found in review: the bridge took a store for pinned when its pinned bytes were half its host bytes; a packed
+    store holds its bf16 arena beside the pinned planes it streams from (about 0.43 of its bytes pinned), so every
+    packed run was planned, floored and reported at the pageable rate."""
+    import comfyui_levers.bridge.prefetch as bp
+    from comfyui_levers.core.residency.prefetch import HostStore
+    from comfyui_levers.core.residency.transport import CpuTransport, PinResult, RecordingTransport
+
+    m = make_wan(n=4).to(torch.bfloat16)
+    tr = RecordingTransport(CpuTransport())
+    monkeypatch.setattr(tr, "pin", lambda t: PinResult(True, "test pin", t.numel() * t.element_size()))
+    monkeypatch.setattr(tr, "unpin", lambda t: None)
+    store = HostStore([(f"b{i}", b) for i, b in enumerate(m.blocks)], tr, packed=True,
+                      decide_pin=lambda n, a: (True, ""))
+    assert store.pinned_bytes * 2 < store.host_bytes          # the planes are pinned, the bf16 arena beside them not
+    seen = []
+    monkeypatch.setattr(bp, "measure_bandwidth", lambda *a, **k: seen.append(k.get("pinned")) or 1e9)
+    monkeypatch.setattr(bp, "_BANDWIDTH", {})
+    bp._Session._bandwidth(tr, store)
+    assert seen == [True]

@@ -457,19 +457,27 @@ def _text_encoder(n=2, d=64):
     return sd
 
 
-@pytest.mark.parametrize("kind", ["lora_peft", "lora_kohya", "text_encoder", "vae"])
+@pytest.mark.parametrize("kind", ["lora_peft", "lora_kohya", "lora_diffusers", "lora_linear_layer", "loha_glora",
+                                  "text_encoder", "vae"])
 def test_a_file_that_is_no_diffusion_model_is_refused_by_name(tmp_path, capsys, kind):
     """A LoRA (ComfyUI / PEFT layout) or a language-model text encoder matched the generic rule and was quantized,
     exit 0: ComfyUI then read the LoRA's fp8 codes as its A/B matrices (about 100x too large, a warning per key)."""
     sd = {"lora_peft": _lora_peft, "text_encoder": _text_encoder,
           "lora_kohya": lambda: {f"lora_unet_double_blocks_{i}_img_attn_qkv.lora_{ud}.weight": torch.randn(8, 8)
                                  for i in range(2) for ud in ("up", "down")},
-          "vae": lambda: {f"decoder.up.{i}.block.0.conv1.weight": torch.randn(8, 8, 3, 3) for i in range(2)}}[kind]()
+          "vae": lambda: {f"decoder.up.{i}.block.0.conv1.weight": torch.randn(8, 8, 3, 3) for i in range(2)},
+          # the other layouts ComfyUI's LoRA loader reads (comfy/lora.py, comfy/weight_adapter)
+          "lora_diffusers": lambda: {f"transformer.single_transformer_blocks.{i}.attn.to_k.lora.{ud}.weight":
+                                     torch.randn(8, 8) for i in range(2) for ud in ("up", "down")},
+          "lora_linear_layer": lambda: {f"transformer_blocks.{i}.attn.to_q.lora_linear_layer.{ud}.weight":
+                                        torch.randn(8, 8) for i in range(2) for ud in ("up", "down")},
+          "loha_glora": lambda: {f"diffusion_model.blocks.{i}.self_attn.q.{p}.weight": torch.randn(8, 8)
+                                 for i in range(2) for p in ("a1", "a2", "b1", "b2")}}[kind]()
     src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save_file(sd, str(src))
     assert cli_main(["quantize", str(src), str(out), "--format", "fp8"]) == 2
     err = capsys.readouterr().err
-    what = {"lora_peft": "a LoRA", "lora_kohya": "a LoRA", "text_encoder": "a text encoder", "vae": "a VAE"}[kind]
+    what = "a text encoder" if kind == "text_encoder" else "a VAE" if kind == "vae" else "a LoRA"
     assert f"looks like {what}" in err and "in.safetensors" in err, err
     assert not out.exists() and os.listdir(tmp_path) == ["in.safetensors"]
 

@@ -247,7 +247,11 @@ def detect_arch(keys: Iterable[str]) -> str:
 
 
 # files that are not a diffusion model, by the keys only they hold: (what it is, key pattern)
-_LORA_KEYS = re.compile(r"(\.|^)(lora_(A|B|up|down|mid)|lokr_w\d|hada_w\d|lora_te\d?_|lora_unet_|oft_)|\.diff_b?$")
+# (the layouts comfy/lora.py and comfy/weight_adapter read: PEFT, kohya, diffusers' lora.up / lora_linear_layer,
+# LyCORIS LoHa / LoKr / OFT / GLoRA and full diffs, ComfyUI's set_weight and w_norm patches)
+_LORA_KEYS = re.compile(r"(\.|^)(lora_(A|B|up|down|mid)|lokr_w\d|hada_w\d|lora_te\d?_|lora_unet_|oft_)"
+                        r"|(^|[._])lora[._](up|down)(\.|$)|\.lora_linear_layer\.|\.(a1|a2|b1|b2)\.weight$"
+                        r"|\.diff_b?$|\.(set_weight|w_norm|b_norm)$")
 _FOREIGN = (
     ("a text encoder (a language model's embed_tokens and numbered layers)",
      re.compile(r"(^|\.)(embed_tokens\.weight|layers\.\d+\.self_attn\.q_proj\.weight)$")),

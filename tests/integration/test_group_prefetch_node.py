@@ -74,8 +74,11 @@ def test_comfy_accounting_sees_only_the_resident_part(comfy_env, tiny_wan):
     assert clone.model_size() == module_bytes(clone.model)   # the true size again after the run
 
 
-@pytest.mark.parametrize("tie", [(3, 0), (3, 2)], ids=["with_another_block", "between_streamed_blocks"])
-def test_a_tied_weight_is_counted_once_with_the_resident_part_at_the_tightest_budget(comfy_env, tiny_wan, tie):
+@pytest.mark.parametrize("resident", [-1, 1], ids=["auto", "first_block_loaded"])
+@pytest.mark.parametrize("tie", [(3, 0), (3, 2), (1, "text_embedding")],
+                         ids=["with_another_block", "between_streamed_blocks", "with_a_module_outside_the_blocks"])
+def test_a_tied_weight_is_counted_once_with_the_resident_part_at_the_tightest_budget(comfy_env, tiny_wan, tie,
+                                                                                      resident):
     """Found in review: a tensor two blocks share was counted in both blocks' sizes and not in the part that stays
     on the device, where the engine keeps it: at the smallest budget the node accepted, the engine raised
     BudgetExceeded in the first model call, after ComfyUI had loaded the model. Every budget the node accepts now
@@ -86,9 +89,12 @@ def test_a_tied_weight_is_counted_once_with_the_resident_part_at_the_tightest_bu
     model = tiny_wan.load_model()
     dm = model.model.diffusion_model
     a, b = tie
-    dm.blocks[a].ffn[0].weight = dm.blocks[b].ffn[0].weight
+    if b == "text_embedding":          # a weight of a block that a module outside the blocks also holds
+        dm.blocks[a].self_attn.o.weight = dm.text_embedding[2].weight
+    else:                              # with a block ComfyUI loads (resident_groups=1), or one that streams too
+        dm.blocks[a].ffn[0].weight = dm.blocks[b].ffn[0].weight
     ref = tiny_wan.sample(model)["samples"]
-    kw = dict(blocks_per_group=1, prefetch_depth=1, resident_groups=-1)
+    kw = dict(blocks_per_group=1, prefetch_depth=1, resident_groups=resident)
 
     def accepted(budget):
         clone, _, state = _prefetch(comfy_env, model, **kw, vram_budget_gb=budget / 2 ** 30)
