@@ -873,9 +873,10 @@ def _tiled_decode(vae, samples: torch.Tensor, settings: TiledDecodeSettings, pla
             + f"; tail receptive field {halo_px:.0f} px")
 
     # chunks and tiles put their pieces on ComfyUI's output device (float32): when that is the decode's device
-    # (--gpu-only, --cpu-vae) the finished output stays beside the work (streamed chunks count it in their base)
+    # (--gpu-only, --cpu-vae) the finished output stays beside the work (streamed chunks count it in their measured
+    # base, so the planner adds it to tiles and unstreamed chunks only)
     kept_output = (samples.shape[0] * n_out * frame_px * 3 * 4
-                   if torch.device(vae.output_device).type == torch.device(vae.device).type and not units else 0)
+                   if torch.device(vae.output_device).type == torch.device(vae.device).type else 0)
 
     def plan_at(tile_latent: int | None) -> TilePlan:
         """The plan with tiles of ``tile_latent`` latent px (None: the planner's own)."""

@@ -138,6 +138,13 @@ def test_output_kept_on_the_decode_device_is_counted_in_chunks_and_tiles():
     assert tiles.mode == tiles_stay.mode == "spatial"
     assert tiles_stay.tile[0] * tiles_stay.tile[1] < tiles.tile[0] * tiles.tile[1]
     assert kept < tiles_stay.predicted_peak_bytes <= 600 * MIB
+    # a decoder streamed through time has the frames that stay in its measured base: not added twice
+    streamed = DecodeCost(whole_bytes_per_px=3000.0, tile_bytes_per_px=3000.0, output_bytes_per_px=24.0,
+                          stream_base_bytes_per_px=500.0, stream_frame_bytes_per_px=200.0)
+    base = plan_decode(shape, 8, streamed, budget_bytes=int(whole * 0.9), temporal_supported=True, out_frames=81)
+    again = plan_decode(shape, 8, streamed, budget_bytes=int(whole * 0.9), temporal_supported=True, out_frames=81,
+                        kept_output_bytes=kept)
+    assert base.mode == again.mode == "temporal" and base.predicted_peak_bytes == again.predicted_peak_bytes
     with pytest.raises(BudgetExceeded):          # the join alone does not fit
         plan_decode(shape, 8, cost, budget_bytes=int(1.5 * kept), halo_px=8.0, out_frames=81,
                     temporal_supported=True, kept_output_bytes=kept)
