@@ -150,20 +150,20 @@ def streamable_bytes(root: nn.Module, blocks) -> list[int]:
     budget after ComfyUI had loaded the model."""
     owners: dict[int, int] = {}
     for _, m in blocks:
-        for t in {id(t): t for t in [*m.parameters(), *m.buffers()]}.values():
-            owners[id(t)] = owners.get(id(t), 0) + 1
+        for i in _tensors([m]):
+            owners[i] = owners.get(i, 0) + 1
     kept = held_outside(root, blocks) | {i for i, n in owners.items() if n > 1}
-    out = []
-    for _, m in blocks:
-        own = {id(t): t for t in [*m.parameters(), *m.buffers()] if id(t) not in kept}
-        out.append(sum(tensor_nbytes(t) for t in own.values()))
-    return out
+    return [sum(tensor_nbytes(t) for i, t in _tensors([m]).items() if i not in kept) for _, m in blocks]
+
+
+def _tensors(modules) -> dict[int, torch.Tensor]:
+    """The parameters and buffers of ``modules``, each once, by id."""
+    return {id(t): t for m in modules for t in [*m.parameters(), *m.buffers()]}
 
 
 def _unique_bytes(blocks) -> int:
     """Bytes of the tensors of ``blocks`` ((name, module) pairs), each once."""
-    seen = {id(t): t for _, m in blocks for t in [*m.parameters(), *m.buffers()]}
-    return sum(tensor_nbytes(t) for t in seen.values())
+    return sum(tensor_nbytes(t) for t in _tensors(m for _, m in blocks).values())
 
 
 def _resident_blocks(block_bytes: list[int], other_bytes: int, budget: float, cfg: PrefetchConfig,
@@ -851,9 +851,7 @@ class _Session:
     def _bandwidth(transport: Transport, store: HostStore) -> float:
         # from the kind of memory the weights stream from: a host copy left pageable (pin off, or the RAM rule
         # declining) copies at a fraction of the pinned rate, which the plan, the floor and the report would claim
-        # what streams (a packed store's planes, else the arenas) is pinned; a packed store's bf16 arena, held
-        # beside its planes, is not what streams and stays pageable
-        pinned = bool(store.pin_results) and all(r.pinned for r in store.pin_results.values())
+        pinned = store.streams_pinned
         key = (str(transport.device), pinned)
         if key not in _BANDWIDTH:
             _BANDWIDTH[key] = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)),
@@ -942,18 +940,12 @@ class PrefetchState:
         if patcher_is_dynamic(patcher):
             self.last_report = stand_aside_line()
             return executor(*args, **kwargs)
-        stays = stays_on_device_line(patcher)
-        if stays:
-            self.last_report = stays
-            log.info("levers: %s", stays)
+        aside = stays_on_device_line(patcher) or (HOOKS_LINE if getattr(patcher, "hook_patches", None) else None)
+        if aside:
+            self.last_report = aside
+            log.info("levers: %s", aside)
             from .phase import send_to_node
-            send_to_node(stays, self.node_id)
-            return executor(*args, **kwargs)
-        if getattr(patcher, "hook_patches", None):
-            self.last_report = HOOKS_LINE
-            log.info("levers: %s", HOOKS_LINE)
-            from .phase import send_to_node
-            send_to_node(HOOKS_LINE, self.node_id)
+            send_to_node(aside, self.node_id)
             return executor(*args, **kwargs)
         noise = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("noise")
         session = _Session(self, patcher, noise, guider)

@@ -1001,6 +1001,12 @@ class HostStore:
     def pinned_bytes(self) -> int:
         return sum(tensor_nbytes(t) for t in self._pinned_arenas + self._pinned_planes)
 
+    @property
+    def streams_pinned(self) -> bool:
+        """Whether what streams is page-locked (a packed store's planes, else the arenas; the bf16 arena a packed
+        store holds beside its planes does not stream): the memory its bandwidth is measured from."""
+        return bool(self.pin_results) and all(r.pinned for r in self.pin_results.values())
+
 
 def sample_index(offset: int, span: int, k: int = 256) -> torch.Tensor:
     """``min(span, k)`` evenly spaced element indices in [offset, offset + span), first and last included.
@@ -1453,7 +1459,8 @@ class PrefetchHandle:
 
     def __init__(self, layout: BlockLayout, config: PrefetchConfig, transport: Transport,
                  store: HostStore, owns_store: bool, bandwidth: float | None, budget_bytes: float,
-                 reserve: Callable[[int], None] | None = None):
+                 reserve: Callable[[int], None] | None = None,
+                 timed_between: Sequence[tuple[int, nn.Module]] = ()):
         self.layout = layout
         self.reserve = reserve
         self.config = config
@@ -1465,7 +1472,7 @@ class PrefetchHandle:
         self.device = transport.device
         self.clock = _Clock(self.device)
         self._hooks: list[Any] = []
-        self.timed_between: tuple[tuple[int, nn.Module], ...] = ()
+        self.timed_between = tuple(timed_between)
         self._between_marks: dict[int, Any] = {}
         self._moved: list[tuple[_Ref, torch.Tensor]] = []     # (ref, original object) moved to the device
         self._resident_bufs: dict[torch.dtype, torch.Tensor] = {}
@@ -2172,10 +2179,11 @@ def apply_group_prefetch(module: nn.Module, config: PrefetchConfig, transport: T
         store.refresh(transport)
     budget = _auto_budget(module, transport.device) if config.budget_bytes == AUTO else float(config.budget_bytes)
     if bandwidth is None and store.host_bytes:
-        bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)))
+        bandwidth = measure_bandwidth(transport, nbytes=min(256 * 1024 ** 2, max(1024 ** 2, store.host_bytes)),
+                                      pinned=store.streams_pinned)
     store.use_packed = config.packed     # a store packed for another install streams as stored here
-    handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget, reserve)
-    handle.timed_between = tuple(timed_between)
+    handle = PrefetchHandle(layout, config, transport, store, owns, bandwidth or None, budget, reserve,
+                            timed_between)
     if config.packed and not store.packed:
         why = (pack_why if not pack_ok else
                "the store given was built without packing (HostStore(..., packed=True))"
